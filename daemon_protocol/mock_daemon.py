@@ -1,0 +1,357 @@
+"""An OpenAI-compatible HTTP front that drives a handler process like the production daemon does.
+
+    python -m daemon_protocol.mock_daemon [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- WORKER_CMD...
+
+Routes: GET / and /health, GET /v1/models, POST /v1/chat/completions (SSE when "stream": true),
+POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the worker as
+`data`; a client that disconnects mid-stream makes the daemon send `cancel`. Port 0 picks a free
+port; the address is logged as "listening on http://HOST:PORT".
+"""
+import argparse
+import asyncio
+import base64
+import hmac
+import json
+import os
+import signal
+import struct
+import sys
+import time
+import uuid
+
+from aiohttp import web
+
+from .log import error
+from .worker_connection import CHAT_QUEUE_CHUNKS, WorkerConnection, WorkerError, WorkerGone
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
+MAX_TOKEN_ID = (1 << 32) - 1
+
+CONNECTION = web.AppKey("connection", WorkerConnection)
+SETTINGS = web.AppKey("settings", dict)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "api_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes."""
+    key = request.app[SETTINGS]["api_key"]
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+    except WorkerError as exc:
+        return error_response(500, str(exc))
+    except WorkerGone as exc:
+        return error_response(503, f"{exc}; the endpoint is shutting down", code="worker_unavailable")
+    except TimeoutError as exc:
+        return error_response(500, str(exc), code="timeout")
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        return error_response(exc.status, exc.reason)
+
+
+async def read_json_object(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def model_name(request: web.Request, body: dict) -> str:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else request.app[SETTINGS]["model"]
+
+
+def optional_type(body: dict, key: str, types, what: str) -> None:
+    if body.get(key) is not None and not isinstance(body[key], types):
+        raise ApiError(400, f"'{key}' must be {what}", param=key)
+
+
+# Health and models
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    model = request.app[SETTINGS]["model"]
+    return web.json_response({"object": "list", "data": [
+        {"id": model, "object": "model", "created": request.app[SETTINGS]["started"], "owned_by": "hfendpoint"}]})
+
+
+# Chat
+def validate_chat(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise ApiError(400, "'messages' must be a list of message objects", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    optional_type(body, "stream_options", dict, "an object")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    validate_chat(body)
+    if body.get("stream"):
+        return await stream_chat(request, body)
+    result = await complete_chat(request, body)
+    return web.json_response({
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model_name(request, body),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["content"]},
+                     "finish_reason": result["finish_reason"], "logprobs": None}],
+        **({"usage": result["usage"]} if result["usage"] else {})})
+
+
+async def open_chat(request: web.Request, data: dict):
+    connection = request.app[CONNECTION]
+    stream = connection.open("chat_completions", data, CHAT_QUEUE_CHUNKS)
+    await connection.drain()
+    return stream
+
+
+async def chat_chunks(stream, timeout: float):
+    """The payloads of one chat request, up to the one with a finish_reason."""
+    while True:
+        payload = await stream.next(timeout)
+        if not isinstance(payload, dict):
+            raise WorkerError(f"the worker sent a chat chunk that is not a map: {payload!r:.100}")
+        if payload.get("finish_reason") is not None:
+            stream.finished = True
+        yield payload
+        if stream.finished:
+            return
+
+
+async def complete_chat(request: web.Request, data: dict) -> dict:
+    """Concatenate every chunk's content; keep the last finish_reason and usage."""
+    stream = await open_chat(request, data)
+    parts, last = [], {}
+    try:
+        async for payload in chat_chunks(stream, request.app[SETTINGS]["chunk_timeout"]):
+            parts.append(payload.get("content") or "")
+            last = payload
+    finally:
+        stream.close()
+    return {"content": "".join(parts), "finish_reason": last.get("finish_reason"), "usage": last.get("usage")}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
+    """SSE: one chat.completion.chunk per reply chunk. The response starts with the first chunk, so
+    a request the worker rejects at once still gets a plain HTTP 500."""
+    stream = await open_chat(request, body)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model_name(request, body)}
+    response = None
+    usage = None
+    try:
+        chunks = chat_chunks(stream, request.app[SETTINGS]["chunk_timeout"])
+        try:
+            async for payload in chunks:
+                delta = {"content": payload.get("content") or ""}
+                if response is None:
+                    delta = {"role": "assistant", **delta}
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    await response.prepare(request)
+                usage = payload.get("usage") or usage
+                choice = {"index": 0, "delta": delta, "finish_reason": payload.get("finish_reason"), "logprobs": None}
+                await response.write(sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})}))
+        except (WorkerError, WorkerGone, TimeoutError) as exc:
+            if response is None:
+                raise
+            await response.write(b"event: error\n" + sse({"error": {"message": str(exc), "type": "api_error",
+                                                                   "param": None, "code": None}}))
+            return response
+        if include_usage:
+            await response.write(sse({**base, "choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    except ConnectionResetError:  # the client went away
+        return response
+    finally:
+        stream.close()  # sends `cancel` when the client went away before the last chunk
+
+
+# Embeddings
+def token_lists_or_texts(value) -> tuple[list[str] | None, list[list[int]] | None]:
+    """OpenAI's input forms: a string, strings, one token list, or token lists."""
+    def is_token(x):
+        return type(x) is int and 0 <= x <= MAX_TOKEN_ID
+
+    def bad(message):
+        return ApiError(400, message, param="input")
+
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise bad("'input' must be a non-empty string, list of strings, or list of token ids")
+    if all(isinstance(x, str) for x in value):
+        if not all(value):
+            raise bad("'input' strings must be non-empty")
+        return value, None
+    if all(is_token(x) for x in value):
+        return None, [value]
+    if all(isinstance(x, list) and x and all(is_token(t) for t in x) for x in value):
+        return None, value
+    raise bad("'input' must be strings or non-empty lists of token ids (unsigned 32-bit ints), not a mix")
+
+
+def encode_embedding(vector: list[float], encoding_format: str):
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    encoding_format = body.get("encoding_format") or "float"
+    if encoding_format not in ("float", "base64"):
+        raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    texts, token_lists = token_lists_or_texts(body.get("input"))
+    connection, timeout = request.app[CONNECTION], request.app[SETTINGS]["chunk_timeout"]
+    if texts is not None:
+        tokenized = await connection.call("tokenize", {"input": texts}, timeout)
+        token_lists = tokenized.get("tokens") if isinstance(tokenized, dict) else None
+        if not isinstance(token_lists, list) or len(token_lists) != len(texts):
+            raise WorkerError(f"the worker's tokenize reply has no 'tokens' list for {len(texts)} input(s)")
+    result = await connection.call("embeddings", {"input": token_lists}, timeout)
+    vectors = result.get("embeddings") if isinstance(result, dict) else None
+    if not isinstance(vectors, list) or len(vectors) != len(token_lists):
+        raise WorkerError(f"the worker's embeddings reply has no 'embeddings' list for {len(token_lists)} input(s)")
+    tokens = sum(len(t) for t in token_lists)
+    return web.json_response({
+        "object": "list", "model": model_name(request, body),
+        "data": [{"object": "embedding", "embedding": encode_embedding(v, encoding_format), "index": i}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+# Responses
+async def responses(request: web.Request) -> web.Response:
+    """Like the production daemon: the input string becomes one user message (instructions, when
+    given, a system message before it); non-streaming only."""
+    body = await read_json_object(request)
+    text = body.get("input")
+    if not isinstance(text, str) or not text:
+        raise ApiError(400, "'input' must be a non-empty string", param="input")
+    if body.get("stream"):
+        raise ApiError(400, "streaming is not supported on /v1/responses", param="stream")
+    optional_type(body, "instructions", str, "a string")
+    messages = ([{"role": "system", "content": body["instructions"]}] if body.get("instructions") else [])
+    messages.append({"role": "user", "content": text})
+    data = {"messages": messages, "stream": False}
+    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
+        if body.get(theirs) is not None:
+            data[ours] = body[theirs]
+    result = await complete_chat(request, data)
+    usage = result["usage"] or {}
+    return web.json_response({
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "status": "completed" if result["finish_reason"] != "length" else "incomplete",
+        "model": model_name(request, body),
+        "output": [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": result["content"], "annotations": []}]}],
+        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
+                  "total_tokens": usage.get("total_tokens", 0)}})
+
+
+def make_app(connection: WorkerConnection, api_key: str | None, model: str, chunk_timeout: float) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+    app[CONNECTION] = connection
+    app[SETTINGS] = {"api_key": api_key, "model": model, "chunk_timeout": chunk_timeout, "started": int(time.time())}
+    app.router.add_get("/", health)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
+    return app
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code."""
+    connection = WorkerConnection(args.worker)
+    try:
+        await connection.start()
+    except OSError as exc:
+        error(f"cannot start the worker {args.worker!r}: {exc}")
+        return 1
+    app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
+                   args.model_name, args.chunk_timeout)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    error(f"listening on http://{host}:{port}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopping, connection.closed}, return_when=asyncio.FIRST_COMPLETED)
+    by_signal = stop.is_set()
+    error("shutting down (signal)" if by_signal else "the worker closed its socket; shutting down")
+    await site.stop()
+    code = await connection.stop()
+    await runner.cleanup()
+    stopping.cancel()
+    if code:
+        error(f"the worker exited with code {code}")
+    return 0 if by_signal or code == 0 else 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m daemon_protocol.mock_daemon", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $HFENDPOINT_API_KEY)")
+    parser.add_argument("--model-name", default=os.environ.get("MODEL_ID") or "hfendpoint",
+                        help="the model id /v1/models lists (default: $MODEL_ID)")
+    parser.add_argument("--chunk-timeout", type=float, default=CHUNK_TIMEOUT_S,
+                        help="seconds to wait between two chunks of one request (default 300)")
+    parser.add_argument("worker", nargs=argparse.REMAINDER, help="-- WORKER_CMD [ARGS...]")
+    args = parser.parse_args(argv)
+    if args.worker[:1] == ["--"]:
+        args.worker = args.worker[1:]
+    if not args.worker:
+        parser.error("give the worker command after '--', e.g. -- python -m handler")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(asyncio.run(serve(parse_args(sys.argv[1:] if argv is None else argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The request loop: decode requests from the daemon, run one task per request, send replies.
+
+Failure rules (protocol.md section 7): unknown names and handler exceptions get error replies;
+objects that are not request maps are logged and skipped; bytes that are not MessagePack fail every
+request in flight and end the session with exit code 1; EOF cancels what is in flight (exit code 0).
+"""
+import asyncio
+import traceback
+
+import msgpack
+
+from .log import error
+from .registry import COROUTINE, STREAM, Registry
+from .writer import ReplyWriter, data_prefix
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024   # the unpacker refuses (as corrupt) a single object above this
+MAX_U64 = (1 << 64) - 1
+SHUTDOWN_TIMEOUT_S = 10.0               # how long cancelled handlers get to run their cleanup
+CORRUPT_STREAM_ERROR = "the daemon sent bytes that are not MessagePack; the handler is exiting"
+
+
+def _preview(obj, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error_message(exc: Exception) -> str:
+    """ValueError is how handlers reject bad input: its message is the reply. Anything else is
+    named by its type so that a bare KeyError('x') still reads as an error."""
+    if isinstance(exc, ValueError):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class Session(asyncio.Protocol):
+    """One connection to the daemon. `finished` resolves to the process exit code."""
+
+    def __init__(self, registry: Registry, writer: ReplyWriter, loop: asyncio.AbstractEventLoop) -> None:
+        self._registry = registry
+        self._writer = writer
+        self._loop = loop
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, unicode_errors="replace",
+                                          max_buffer_size=MAX_MESSAGE_BYTES)
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._owns_writer = False  # stdio: the writer has its own transport (stdout)
+        self._stopped = False
+        self.finished: asyncio.Future[int] = loop.create_future()
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        if not self._writer.attached:
+            self._owns_writer = True
+            self._writer.attach(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return
+        unpacker = self._unpacker
+        try:
+            unpacker.feed(data)
+            for obj in unpacker:
+                self._dispatch(obj)
+        except Exception as exc:  # the unpacker's errors: the stream cannot be resynchronised
+            self._fail_stream(exc)
+
+    def eof_received(self) -> bool:
+        self._stop(0)
+        return True  # keep our write half open to flush what is queued
+
+    def connection_lost(self, exc) -> None:
+        if self._owns_writer:
+            self._writer.connection_lost()
+        self._stop(0)
+
+    def pause_writing(self) -> None:
+        self._writer.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writer.resume_writing()
+
+    # Requests
+    def _dispatch(self, obj) -> None:
+        if type(obj) is not dict:
+            error(f"skipping a message that is not a request map: {_preview(obj)}")
+            return
+        request_id = obj.get("id")
+        if type(request_id) is not int or not 0 <= request_id <= MAX_U64:
+            error(f"skipping a request without a usable id (an unsigned 64-bit int): {_preview(obj)}")
+            return
+        name = obj.get("name")
+        if name == "cancel":
+            self._cancel(request_id)
+            return
+        if request_id in self._tasks:
+            error(f"skipping request {request_id}: a request with that id is still in flight")
+            return
+        if type(name) is not str:
+            self._writer.send_error(request_id, f"request has no handler name: 'name' must be a string, got {_preview(name)}")
+            return
+        entry = self._registry.get(name)
+        if entry is None:
+            self._writer.send_error(request_id, f"no handler for '{name}'")
+            return
+        kind, fn = entry
+        data = obj.get("data")
+        if kind == STREAM:
+            self._start(request_id, self._serve_stream(request_id, name, fn, data))
+        elif kind == COROUTINE:
+            self._start(request_id, self._serve_call(request_id, name, fn, data))
+        else:
+            self._serve_function(request_id, name, fn, data)
+
+    def _start(self, request_id: int, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda done: self._forget(request_id, done))
+
+    def _serve_function(self, request_id: int, name: str, fn, data) -> None:
+        """Plain functions run inline; one returning an awaitable or an async iterator is served like
+        a coroutine or an async generator."""
+        try:
+            result = fn(data)
+        except Exception as exc:
+            self._fail_request(request_id, name, exc)
+            return
+        if hasattr(result, "__anext__"):
+            self._start(request_id, self._serve_stream(request_id, name, lambda _: result, None))
+        elif hasattr(result, "__await__"):
+            self._start(request_id, self._serve_call(request_id, name, lambda _: result, None))
+        else:
+            self._send_data(request_id, name, data_prefix(request_id), result)
+
+    async def _serve_stream(self, request_id: int, name: str, fn, data) -> None:
+        task = asyncio.current_task()
+        writer = self._writer
+        prefix = data_prefix(request_id)
+        try:
+            stream = fn(data)
+        except Exception as exc:
+            self._fail_request(request_id, name, exc)
+            return
+        sent = False
+        try:
+            async for payload in stream:
+                if task.cancelling():  # the handler swallowed its cancellation: send nothing more
+                    break
+                writer.send_data(prefix, payload)
+                sent = True
+                if writer.paused:
+                    await writer.wait_writable()
+            if not sent and not task.cancelling():
+                writer.send_error(request_id, f"handler '{name}' finished without sending a reply")
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            if not task.cancelling():
+                self._fail_request(request_id, name, exc)
+        finally:
+            try:
+                aclose = getattr(stream, "aclose", None)  # runs the generator's cleanup if it was stopped early
+                if aclose is not None:
+                    await aclose()
+            except Exception as exc:
+                error(f"request {request_id} ({name}): cleanup failed: {exc!r}")
+
+    async def _serve_call(self, request_id: int, name: str, fn, data) -> None:
+        task = asyncio.current_task()
+        try:
+            result = await fn(data)
+            if not task.cancelling():
+                self._send_data(request_id, name, data_prefix(request_id), result)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            if not task.cancelling():
+                self._fail_request(request_id, name, exc)
+
+    def _send_data(self, request_id: int, name: str, prefix: bytes, payload) -> None:
+        try:
+            self._writer.send_data(prefix, payload)
+        except Exception as exc:
+            self._fail_request(request_id, name, exc)
+
+    def _fail_request(self, request_id: int, name: str, exc: Exception) -> None:
+        message = _error_message(exc)
+        if not isinstance(exc, ValueError):
+            error(f"request {request_id} ({name}) failed:\n" + "".join(traceback.format_exception(exc)).rstrip())
+        self._writer.send_error(request_id, message)
+
+    def _forget(self, request_id: int, task: asyncio.Task) -> None:
+        if self._tasks.get(request_id) is task:
+            del self._tasks[request_id]
+
+    def _cancel(self, request_id: int) -> None:
+        """The `cancel` extension: the handler's task gets CancelledError; its cleanup runs."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    # End of the session
+    def _fail_stream(self, exc: Exception) -> None:
+        error(f"{CORRUPT_STREAM_ERROR} ({type(exc).__name__}: {exc}); failing {len(self._tasks)} request(s) in flight")
+        for request_id, task in self._tasks.items():
+            task.cancel()
+            self._writer.send_error(request_id, CORRUPT_STREAM_ERROR)
+        self._stop(1)
+
+    def _stop(self, exit_code: int) -> None:
+        self._stopped = True
+        if not self.finished.done():
+            self.finished.set_result(exit_code)
+
+    async def shutdown(self) -> None:
+        """Cancel every request in flight and give their cleanup a bounded time to run."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+            if pending:
+                error(f"{len(pending)} handler(s) did not finish within {SHUTDOWN_TIMEOUT_S:.0f} s of cancellation")

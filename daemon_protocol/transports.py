@@ -1,0 +1,161 @@
+"""The three ways to reach the daemon, all with the same framing.
+
+- `fd:N`: the inherited socket (the production path; the daemon sets HFENDPOINT_FD=N);
+- `stdio`: requests on stdin, replies on stdout (fd 1 is then pointed at stderr so stray prints
+  cannot corrupt the stream);
+- `unix-listen:PATH` / `unix-connect:PATH`: a Unix socket, for local testing. A listening handler
+  serves the first connection only and removes the socket file when done.
+"""
+import asyncio
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from .log import error
+from .session import Session
+from .writer import ReplyWriter
+
+KINDS = ("fd", "stdio", "unix-listen", "unix-connect")
+HOW_TO_CHOOSE = ("set HFENDPOINT_FD (the daemon does), HFENDPOINT_STDIO=1, HFENDPOINT_UNIX_LISTEN=PATH or "
+                 "HFENDPOINT_UNIX_CONNECT=PATH, or pass run(transport='fd:N' | 'stdio' | 'unix-listen:PATH' | "
+                 "'unix-connect:PATH')")
+
+
+class TransportError(Exception):
+    """The transport is misconfigured or cannot be opened; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    kind: str
+    address: str | int | None = None
+
+
+def parse_transport(text: str) -> TransportSpec:
+    kind, _, address = text.partition(":")
+    if kind == "stdio" and not address:
+        return TransportSpec("stdio")
+    if kind == "fd" and address.isdigit():
+        return TransportSpec("fd", int(address))
+    if kind in ("unix-listen", "unix-connect") and address:
+        return TransportSpec(kind, address)
+    raise TransportError(f"unknown transport {text!r}: expected 'fd:N', 'stdio', 'unix-listen:PATH' or 'unix-connect:PATH'")
+
+
+def transport_from_env(env=os.environ) -> TransportSpec:
+    if env.get("HFENDPOINT_FD"):
+        fd = env["HFENDPOINT_FD"]
+        if not fd.isdigit():
+            raise TransportError(f"HFENDPOINT_FD must be a file descriptor number, got {fd!r}")
+        return TransportSpec("fd", int(fd))
+    if env.get("HFENDPOINT_UNIX_LISTEN"):
+        return TransportSpec("unix-listen", env["HFENDPOINT_UNIX_LISTEN"])
+    if env.get("HFENDPOINT_UNIX_CONNECT"):
+        return TransportSpec("unix-connect", env["HFENDPOINT_UNIX_CONNECT"])
+    if env.get("HFENDPOINT_STDIO", "").lower() in ("1", "true", "yes"):
+        return TransportSpec("stdio")
+    raise TransportError(f"no transport to the daemon: {HOW_TO_CHOOSE}")
+
+
+Closer = Callable[[], Awaitable[None]]
+
+
+async def open_transport(spec: TransportSpec, session: Session, writer: ReplyWriter) -> Closer:
+    """Connect `session` (reading) and `writer` (writing) to the daemon; returns the cleanup to await
+    once the session is over."""
+    try:
+        return await _open(spec, session, writer)
+    except (OSError, ValueError) as exc:
+        where = "" if spec.address is None else f" {spec.address}"
+        raise TransportError(f"cannot open the {spec.kind} transport{where}: {exc}") from exc
+
+
+async def _open(spec: TransportSpec, session: Session, writer: ReplyWriter) -> Closer:
+    loop = asyncio.get_running_loop()
+    if spec.kind == "fd":
+        await loop.connect_accepted_socket(lambda: session, _socket_from_fd(spec.address))
+        return _nothing
+    if spec.kind == "stdio":
+        return await _open_stdio(loop, session, writer)
+    if spec.kind == "unix-connect":
+        await loop.create_unix_connection(lambda: session, spec.address)
+        return _nothing
+    if spec.kind == "unix-listen":
+        return await _listen_once(loop, session, spec.address)
+    raise TransportError(f"unknown transport kind {spec.kind!r}; expected one of {KINDS}")
+
+
+async def _nothing() -> None:
+    pass
+
+
+def _socket_from_fd(fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise TransportError(f"HFENDPOINT_FD={fd} is not an open socket ({exc}); "
+                         "the daemon passes the child's end of its socketpair there") from exc
+    if sock.type != socket.SOCK_STREAM:
+        raise TransportError(f"HFENDPOINT_FD={fd} is not a stream socket")
+    return sock
+
+
+class _WritePipeSide(asyncio.BaseProtocol):
+    """Forwards the stdout pipe's flow control to the writer."""
+
+    def __init__(self, writer: ReplyWriter) -> None:
+        self._writer = writer
+
+    def pause_writing(self) -> None:
+        self._writer.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writer.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self._writer.connection_lost()
+
+
+async def _open_stdio(loop, session: Session, writer: ReplyWriter) -> Closer:
+    reply_fd = os.dup(sys.stdout.fileno())
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    write_transport, _ = await loop.connect_write_pipe(lambda: _WritePipeSide(writer),
+                                                       os.fdopen(reply_fd, "wb", buffering=0))
+    writer.attach(write_transport)
+    read_transport, _ = await loop.connect_read_pipe(lambda: session, os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0))
+
+    async def close() -> None:
+        read_transport.close()
+    return close
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport) -> None:
+        error("refusing a second connection: this handler serves one daemon connection")
+        transport.close()
+
+
+async def _listen_once(loop, session: Session, path: str) -> Closer:
+    accepted = loop.create_future()
+
+    def accept():
+        if accepted.done():
+            return _Refuse()
+        accepted.set_result(None)
+        return session
+
+    server = await loop.create_unix_server(accept, path)
+    error(f"listening on unix socket {path}")
+    await accepted
+    server.close()
+
+    async def close() -> None:
+        await server.wait_closed()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return close

@@ -1,0 +1,192 @@
+"""The mock daemon's side of the protocol: spawn the worker exactly as the production daemon does,
+number requests, route reply chunks to per-request queues, send `cancel`.
+
+Like the production daemon, a request's queue is bounded (10 chunks for chat, 1 otherwise) and a
+full queue stalls the reader for every request.
+"""
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+
+import msgpack
+
+from .log import error
+
+SOCKET_BUFFER_BYTES = 1024 * 1024
+CHAT_QUEUE_CHUNKS = 10
+EXIT_TIMEOUT_S = 30.0
+
+
+class WorkerGone(Exception):
+    """The worker closed its socket or died."""
+
+
+class WorkerError(Exception):
+    """The worker answered a request with an error reply."""
+
+
+_GONE = object()
+
+
+class RequestStream:
+    """The reply chunks of one request, in order. Iterating yields each `data` payload; an error
+    reply raises WorkerError, losing the worker raises WorkerGone."""
+
+    def __init__(self, connection: "WorkerConnection", request_id: int, queue_size: int) -> None:
+        self.id = request_id
+        self._connection = connection
+        self.queue: asyncio.Queue = asyncio.Queue(queue_size)
+        self.finished = False
+
+    async def next(self, timeout: float):
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await self.queue.get()
+        except TimeoutError:
+            raise TimeoutError(f"the worker sent nothing for request {self.id} in {timeout:g} s") from None
+        if reply is _GONE:
+            raise WorkerGone("the worker exited")
+        if isinstance(reply.get("error"), str):
+            raise WorkerError(reply["error"])
+        if "data" not in reply or reply["data"] is None:
+            raise WorkerError(f"the worker's reply for request {self.id} has neither data nor error")
+        return reply["data"]
+
+    def close(self) -> None:
+        """Stop tracking the request; if it had not finished, ask the worker to cancel it."""
+        self._connection.forget(self.id)
+        if not self.finished:
+            self._connection.send({"id": self.id, "name": "cancel"})
+
+
+class WorkerConnection:
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+        self.process: asyncio.subprocess.Process | None = None
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.closed: asyncio.Future | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self.closed is None or self.closed.done()
+
+    async def start(self) -> None:
+        """Spawn the worker on the child end of a socketpair (protocol.md section 1)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for sock in (parent, child):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        child.set_inheritable(True)
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.command, stdin=subprocess.DEVNULL, stdout=None, stderr=subprocess.PIPE,
+                env={**os.environ, "HFENDPOINT_FD": str(child.fileno())},
+                pass_fds=(child.fileno(),), process_group=0, limit=SOCKET_BUFFER_BYTES)
+        finally:
+            child.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=SOCKET_BUFFER_BYTES)
+        self.closed = asyncio.get_running_loop().create_future()
+        self._tasks = [asyncio.create_task(self._read_replies(reader)),
+                       asyncio.create_task(self._relay_stderr(self.process.stderr))]
+
+    def open(self, name: str, data, queue_size: int = 1) -> RequestStream:
+        if self.gone:
+            raise WorkerGone("the worker is not running")
+        stream = RequestStream(self, next(self._ids), queue_size)
+        self._streams[stream.id] = stream
+        self.send({"id": stream.id, "name": name, "data": data})
+        return stream
+
+    async def call(self, name: str, data, timeout: float):
+        """One request with exactly one reply (tokenize, embeddings)."""
+        stream = self.open(name, data)
+        try:
+            await self.drain()
+            payload = await stream.next(timeout)
+            stream.finished = True
+            return payload
+        finally:
+            stream.close()
+
+    def send(self, message: dict) -> None:
+        if not self.gone:
+            self._writer.write(msgpack.packb(message))
+
+    async def drain(self) -> None:
+        """Wait while the socket to the worker is full (bounded memory for big request bodies)."""
+        if not self.gone:
+            try:
+                await self._writer.drain()
+            except ConnectionError as exc:
+                raise WorkerGone(f"lost the worker's socket: {exc}") from None
+
+    def forget(self, request_id: int) -> None:
+        self._streams.pop(request_id, None)
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=256 * 1024 * 1024)
+        try:
+            while data := await reader.read(SOCKET_BUFFER_BYTES):
+                unpacker.feed(data)
+                for reply in unpacker:
+                    await self._route(reply)
+        except (ValueError, msgpack.UnpackException) as exc:
+            error(f"the worker sent bytes that are not MessagePack ({exc}); dropping the connection")
+        except ConnectionError as exc:
+            error(f"lost the worker's socket: {exc}")
+        finally:
+            self._mark_gone()
+
+    async def _route(self, reply) -> None:
+        request_id = reply.get("id") if isinstance(reply, dict) else None
+        stream = self._streams.get(request_id)
+        if stream is None:
+            error(f"dropping a reply for request {request_id!r}, which is not in flight")
+            return
+        await stream.queue.put(reply)
+
+    def _mark_gone(self) -> None:
+        if self.closed.done():
+            return
+        self.closed.set_result(None)
+        for stream in self._streams.values():
+            if stream.queue.full():
+                asyncio.get_running_loop().create_task(stream.queue.put(_GONE))
+            else:
+                stream.queue.put_nowait(_GONE)
+
+    @staticmethod
+    async def _relay_stderr(stderr: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await stderr.readline()
+            except ValueError:  # asyncio drops a line longer than the reader's limit
+                error("worker stderr: (a line longer than 1 MiB was dropped)")
+                continue
+            if not line:
+                return
+            error(f"worker stderr: {line.decode(errors='replace').rstrip()}")
+
+    async def stop(self) -> int:
+        """Drop our write half (the worker sees EOF), wait for it to exit and return its exit code."""
+        if self._writer is not None and not self._writer.is_closing():
+            try:
+                self._writer.write_eof()
+            except OSError:
+                pass
+        try:
+            code = await asyncio.wait_for(self.process.wait(), EXIT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            error(f"the worker did not exit {EXIT_TIMEOUT_S:.0f} s after EOF; killing it")
+            os.killpg(self.process.pid, signal.SIGKILL)
+            code = await self.process.wait()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._writer is not None:
+            self._writer.close()
+        return code

@@ -1,0 +1,22 @@
+"""What attention needs to know about one engine step, besides the tensors themselves."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention metadata.
+
+    Query token i (0-based) of sequence b sits at absolute position seq_lens[b] - q_len_b + i and
+    attends to key positions 0..that position: causal over the cached prefix plus its own chunk.
+    """
+
+    slot_mapping: Tensor  # int64 [T]: cache slot for each token of this step (-1: don't store)
+    cu_seqlens_q: Tensor  # int32 [B+1]: query tokens of this step per sequence
+    seq_lens: Tensor  # int32 [B]: context length after this step (cached + new) per sequence
+    block_tables: Tensor | None  # int32 [B, max_blocks_per_seq], padded with -1; None: no KV cache
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_decode: bool  # every sequence has exactly one query token

@@ -1,0 +1,344 @@
+"""Triton attention over the paged KV cache (decode and prefill/mixed) and over contiguous varlen batches.
+
+One inner loop (`_attend`) does the flash-attention work for a tile of query rows against a range of keys
+with an online softmax in float32 (base-2 exponentials, the scale folded in). Query rows pack a GQA group:
+row r of a tile is query token r // GROUP, head r % GROUP of the group, so each key/value tile is loaded
+once per KV head and multiplied against every query head that shares it.
+
+- decode (`meta.is_decode`): one program per (sequence, KV head, split); the group's queries are padded to
+  16 rows for tl.dot. When batch * kv_heads cannot fill the GPU, the context is cut into splits
+  (flash-decoding) and a small kernel merges the partial outputs by their log-sum-exp. Each sequence cuts
+  its own length, so the result never depends on meta.max_seqlen_k being exact (a CUDA graph captured at
+  one length replays correctly at another).
+- prefill/mixed: one program per (query tile, sequence, KV head); keys come through the block table, the
+  causal mask is applied only on the tiles that straddle the diagonal, and tiles past it are never read.
+- varlen_attention: the same program reading keys and values from contiguous [T, n_kv, D] tensors.
+
+Grids and scratch shapes come from host-side values only (no .item()), so decode can be graph-captured.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _key_rows(table_ptr, key_base, keys, key_mask, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """Row index (in units of the key tensor's token stride) of each key position."""
+    if PAGED:
+        page = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_mask)
+        return page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+    else:
+        return (key_base + keys).to(tl.int64)
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys [lo, hi) into the running (acc, m_i, l_i). k_ptr/v_ptr already point at the KV head.
+
+    MASK False: every key in range is visible to every row and hi - lo is a multiple of BLOCK_N.
+    MASK True: keys >= hi are masked, and with CAUSAL so are keys past each row's position.
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        if MASK:
+            key_mask = keys < hi
+            rows = _key_rows(table_ptr, key_base, keys, key_mask, BLOCK_SIZE, PAGED)
+            k = tl.load(k_ptr + rows[:, None] * stride_kt + dims[None, :], mask=key_mask[:, None], other=0.0)
+        else:
+            rows = _key_rows(table_ptr, key_base, keys, None, BLOCK_SIZE, PAGED)
+            k = tl.load(k_ptr + rows[:, None] * stride_kt + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK:
+            visible = key_mask[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= row_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :], mask=key_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+    GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    full_hi = tl.maximum(lo + (hi - lo) // BLOCK_N * BLOCK_N, lo)
+
+    rows = tl.arange(0, GROUP_BLOCK)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)
+    acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * HEAD_DIM
+    v_head = v_cache_ptr + kv_head * HEAD_DIM
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
+                            lo, full_hi, rows, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False,
+                            DOT_PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
+                            full_hi, hi, rows, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False,
+                            DOT_PRECISION)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        num_q_heads = num_kv_heads * GROUP
+        part_row = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    splits = tl.arange(0, SPLITS_BLOCK)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part_row, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    part = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_mask[:, None],
+                   other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_token = tile * TOKENS_PER_TILE
+    if first_token >= q_len:
+        return
+    if PAGED:
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        seq_len = q_len
+    prefix = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tokens = first_token + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TOKENS_PER_TILE * GROUP) & (tokens < q_len)
+    row_pos = prefix + tokens
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tokens).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)
+
+    if CAUSAL:
+        hi = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
+        full_hi = (prefix + first_token) // BLOCK_N * BLOCK_N
+    else:
+        hi = seq_len
+        full_hi = seq_len // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
+                            0, full_hi, row_pos, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, False, CAUSAL,
+                            DOT_PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
+                            full_hi, hi, row_pos, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True, CAUSAL,
+                            DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU,
+    at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled variants), at most MAX_SPLITS."""
+    target = 2 * _num_sms(device)
+    if batch_kv_heads >= target:
+        return 1
+    wanted = min(triton.cdiv(target, batch_kv_heads), max_seqlen_k // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
+    return 1 if wanted <= 1 else 1 << (wanted.bit_length() - 1)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim in [16, 256], got {head_dim}")
+
+
+def _check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    return num_q_heads // num_kv_heads
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, block_size, n_kv, D] of one shape")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton attention kernels need a power-of-two block_size, got {block_size}")
+    return block_size
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
+    """paged_attention for a batch of one query token per sequence; num_splits None picks it by occupancy."""
+    num_seqs = meta.seq_lens.shape[0]
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens != num_seqs:
+        raise ValueError(f"decode expects one query token per sequence, got {num_tokens} for {num_seqs}")
+    _check_head_dim(head_dim)
+    block_size = _check_cache(k_cache, v_cache)
+    num_kv_heads = k_cache.shape[2]
+    group = _check_gqa(num_q_heads, num_kv_heads)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, meta.max_seqlen_k, q.device)
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    split = num_splits > 1
+    part_out = part_lse = out
+    if split:
+        part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_n = max(16, min(128, 8192 // head_dim))
+    block_tables = meta.block_tables
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, meta.seq_lens, out, part_out, part_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
+        GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_BLOCK=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
+                    stride_kt, stride_kh, stride_vt, stride_vh, block_size):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2] if block_tables is not None else k.shape[1]
+    group = _check_gqa(num_q_heads, num_kv_heads)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out
+    block_m = max(16, min(128, triton.next_power_of_2(max_seqlen_q * group)), triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    tokens_per_tile = block_m // group
+    paged = block_tables is not None
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads)](
+        q, k, v, out, cu_seqlens_q, seq_lens if paged else cu_seqlens_q,
+        block_tables if paged else cu_seqlens_q, scale * LOG2E,
+        q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, out.stride(0), out.stride(1),
+        block_tables.stride(0) if paged else 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        PAGED=paged, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4, num_stages=3,
+    )
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, meta, scale):
+    """paged_attention for prefill chunks and mixed batches: causal over cached prefix plus own chunk."""
+    _check_head_dim(q.shape[2])
+    block_size = _check_cache(k_cache, v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    slot_stride, head_stride = k_cache.stride(1), k_cache.stride(2)
+    return _prefill_launch(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                           meta.max_seqlen_q, scale, True, slot_stride, head_stride, slot_stride, head_stride,
+                           block_size)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float):
+    """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D].
+
+    The keys and values of this step's tokens must already be in the cache (store_kv_cache first).
+    """
+    if meta.block_tables is None:
+        raise ValueError("paged_attention needs meta.block_tables; use varlen_attention without a KV cache")
+    if q.stride(2) != 1:
+        raise ValueError("paged_attention needs q contiguous in head_dim")
+    if meta.is_decode:
+        return decode_attention(q, k_cache, v_cache, meta, scale)
+    return prefill_attention(q, k_cache, v_cache, meta, scale)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
+    """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], cu_seqlens [B+1]."""
+    _check_head_dim(q.shape[2])
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("varlen_attention needs q, k and v contiguous in head_dim")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _prefill_launch(q, k, v, out, cu_seqlens, None, None, max_seqlen, scale, causal,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), 1)
+

@@ -1,0 +1,61 @@
+"""Triton RMSNorm, alone and fused with the residual add; one program per row, float32 accumulation."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+    stride_x, stride_r, stride_o, stride_nr, eps,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_residual_ptr + row * stride_nr + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    y = (xf * rstd).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"norm weight has shape {tuple(weight.shape)}, expected ({hidden},)")
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty_like(x2)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        new_residual = torch.empty_like(x2)
+    else:
+        r2 = new_residual = x2
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, new_residual,
+            x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0), eps,
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    return out.view(x.shape), new_residual.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: (x / rms(x)) cast back to x's dtype, times weight."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual) in one pass over memory."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,76 @@
+"""From a model path to a loaded model: the map from a config's `architectures` to our classes."""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+# Architectures with an LM head, and bare decoders (no head: embedding models saved as the base model).
+DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+BARE_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
+ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
+SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: object
+    kind: str  # "decoder" | "encoder"
+    model_dir: str
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Parameters created inside are born in `dtype` (no float32 copy first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def architecture_of(hf_config) -> str:
+    """The config's architecture if we support it; ValueError naming it and what we support otherwise."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    for name in architectures:
+        if name in SUPPORTED:
+            return name
+    found = ", ".join(architectures) or f"none (model_type {getattr(hf_config, 'model_type', None)!r})"
+    raise ValueError(f"unsupported model architecture: {found}; supported: {', '.join(SUPPORTED)}")
+
+
+def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_head: bool = True) -> nn.Module:
+    """An uninitialised decoder, its parameters allocated on `device` in `dtype`, ready for a weight loader."""
+    from models.llama import LlamaForCausalLM
+
+    with torch.device(device), default_dtype(dtype):
+        return LlamaForCausalLM(hf_config, with_lm_head=with_lm_head)
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load a local checkpoint directory (config.json + safetensors) or a .gguf file."""
+    from models.loader import load_weights, load_safetensors
+
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        from models.gguf_loader import iterate_gguf, read_gguf_config
+
+        hf_config = read_gguf_config(model_path)
+        model = build_decoder(hf_config, dtype, device, with_lm_head=architecture_of(hf_config) in DECODERS)
+        load_weights(model, iterate_gguf(model_path, hf_config), source=model_path)
+        return LoadedModel(model.eval(), hf_config, "decoder", os.path.dirname(os.path.abspath(model_path)))
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"{model_path!r} is neither a .gguf file nor a directory with a config.json")
+    hf_config = AutoConfig.from_pretrained(model_path)
+    architecture = architecture_of(hf_config)
+    if architecture in ENCODERS:
+        from models.bert import load_bert
+
+        return LoadedModel(load_bert(model_path, hf_config, dtype, device).eval(), hf_config, "encoder", model_path)
+    model = build_decoder(hf_config, dtype, device, with_lm_head=architecture in DECODERS)
+    load_safetensors(model, model_path)
+    return LoadedModel(model.eval(), hf_config, "decoder", model_path)

@@ -1,0 +1,117 @@
+"""Triton paged (decode, prefill, mixed) and varlen attention against the torch reference."""
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only, paged_batch
+
+from kernels import reference
+from kernels.triton_attention import choose_num_splits, decode_attention, paged_attention, varlen_attention
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
+HEADS = [(2, 2), (4, 2), (8, 1), (6, 2)]  # GQA ratios 1, 2, 8 and a non-power-of-two 3
+DECODE_CONTEXTS = [1, 15, 16, 17, 64, 65, 100]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (128, 128)])
+def test_decode(head_dim, block_size, num_q_heads, num_kv_heads, num_splits):
+    q, k_cache, v_cache, meta = paged_batch([1] * len(DECODE_CONTEXTS), DECODE_CONTEXTS, num_q_heads,
+                                            num_kv_heads, head_dim, block_size, torch.float32)
+    out = decode_attention(q, k_cache, v_cache, meta, head_dim**-0.5, num_splits=num_splits)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "contexts,num_q_heads,num_kv_heads,head_dim,block_size",
+    [([1, 33, 600], 4, 2, 64, 16)]
+    + cuda_only(([8192, 1, 4095, 4096, 4097, 513], 16, 8, 128, 16), ([8000] * 3 + [17] * 61, 32, 4, 128, 256),
+                ([2048] * 256, 16, 8, 128, 16), ([300, 7000], 8, 8, 64, 32)),
+)
+def test_paged_attention_decode_picks_splits(contexts, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    q, k_cache, v_cache, meta = paged_batch([1] * len(contexts), contexts, num_q_heads, num_kv_heads, head_dim,
+                                            block_size, dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.1)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.1), dtype)
+
+
+def test_decode_split_does_not_trust_max_seqlen_k():
+    """A CUDA graph captured with one max_seqlen_k replays at longer contexts: splits cover each length."""
+    q, k_cache, v_cache, meta = paged_batch([1, 1], [90, 200], 4, 2, 64, 16, torch.float32)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    meta.max_seqlen_k = 1
+    assert_close(decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=4), expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_empty_padding_sequence_gives_zeros(num_splits):
+    """Graph-padding rows (seq_len 0, block table all -1) come out as zeros, not NaN, and harm no one."""
+    q, k_cache, v_cache, meta = paged_batch([1, 1, 1], [30, 1, 70], 4, 2, 64, 16, torch.float32)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    meta.seq_lens[1] = 0
+    meta.block_tables[1] = -1
+    out = decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], expected[[0, 2]], torch.float32)
+
+
+MIXED_Q_LENS = [1, 17, 1, 5, 33]  # decode over 1 token, fresh prefill, decode, chunks after a cached prefix
+MIXED_SEQ_LENS = [1, 17, 40, 37, 70]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 128)])
+def test_prefill_and_mixed(head_dim, block_size, num_q_heads, num_kv_heads):
+    q, k_cache, v_cache, meta = paged_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_q_heads, num_kv_heads, head_dim,
+                                            block_size, torch.float32)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,num_q_heads,num_kv_heads,head_dim,block_size",
+    [([3, 1, 20], [3, 50, 29], 8, 1, 64, 16)]
+    + cuda_only(([1024], [1024], 16, 8, 128, 16), ([1, 300, 1, 2048], [8192, 4396, 2, 2048], 16, 8, 128, 16),
+                ([513, 1, 100], [1000, 777, 100], 32, 4, 64, 256),
+                ([129] * 8, [4000 + i for i in range(8)], 8, 8, 128, 32)),
+)
+def test_prefill_dtypes_and_long_contexts(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    q, k_cache, v_cache, meta = paged_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.1)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.1), dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen(head_dim, num_q_heads, num_kv_heads, causal):
+    lengths = [1, 17, 40]
+    _check_varlen(lengths, num_q_heads, num_kv_heads, head_dim, causal, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths,causal", [([5, 70], False)] + cuda_only(([1024, 1, 3000, 512], True),
+                                                                          ([128] * 64, False)))
+def test_varlen_dtypes_and_long(lengths, causal, dtype):
+    _check_varlen(lengths, 12, 12, 64, causal, dtype)
+
+
+def _check_varlen(lengths, num_q_heads, num_kv_heads, head_dim, causal, dtype):
+    tokens = sum(lengths)
+    q = torch.randn(tokens, num_q_heads, head_dim, device=DEVICE).to(dtype)
+    kv = torch.randn(tokens, 2, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    k, v = kv[:, 0], kv[:, 1]
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    out = varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal)
+    expected = reference.varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    "batch_kv_heads,max_seqlen_k,expected",
+    [(64, 4096, 1), (8, 4096, 1), (2, 4096, 4), (1, 300, 1), (3, 8192, 2), (1, 100_000, 8)],
+)
+def test_choose_num_splits_on_four_sm_stand_in(batch_kv_heads, max_seqlen_k, expected):
+    assert choose_num_splits(batch_kv_heads, max_seqlen_k, torch.device("cpu")) == expected

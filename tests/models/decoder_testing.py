@@ -1,0 +1,93 @@
+"""Tiny random decoders saved as transformers checkpoints, and helpers to drive our models step by step."""
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from kernels import AttentionMetadata
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+)
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(
+        **COMMON, num_key_value_heads=2, architectures=["LlamaForCausalLM"],
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    "qwen2": lambda: Qwen2Config(
+        **COMMON, num_key_value_heads=1, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]
+    ),
+    "qwen3": lambda: Qwen3Config(
+        **COMMON, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"]
+    ),
+}
+
+
+def save_tiny_model(name: str, path, **save_kwargs):
+    """A random transformers model of the named family saved under `path`; returns the transformers model."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    with torch.no_grad():  # random biases and norm weights, so a wrong mapping cannot hide behind zeros and ones
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.copy_(torch.randn_like(param) * 0.5 + (0.0 if param_name.endswith("bias") else 1.0))
+    model.save_pretrained(path, **save_kwargs)
+    return model.eval()
+
+
+def varlen_metadata(lengths: list[int]) -> AttentionMetadata:
+    """Cacheless prefill of whole sequences packed back to back."""
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.full((sum(lengths),), -1, dtype=torch.int64),
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(lengths, dtype=torch.int32),
+        block_tables=None,
+        max_seqlen_q=max(lengths),
+        max_seqlen_k=max(lengths),
+        is_decode=False,
+    )
+
+
+def paged_step(
+    chunks: list[tuple[int, int]], block_tables: list[list[int]], block_size: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions for one step: chunks[b] = (num_cached, num_new) of sequence b."""
+    slots, positions = [], []
+    for (cached, new), table in zip(chunks, block_tables):
+        for p in range(cached, cached + new):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    width = max(len(t) for t in block_tables)
+    q_lens = [new for _, new in chunks]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        cu_seqlens_q=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in chunks], dtype=torch.int32),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(c + n for c, n in chunks),
+        is_decode=all(n == 1 for n in q_lens),
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64)
+
+
+def attach_kv_cache(model, num_blocks: int, block_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed per-layer K and V caches set on the model (as the engine's model runner does)."""
+    shape = model.kv_cache_shape(num_blocks, block_size)[1:]
+    k_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+    v_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+    model.set_kv_cache(k_caches, v_caches)
+    return k_caches, v_caches

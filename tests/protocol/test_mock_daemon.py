@@ -1,0 +1,201 @@
+"""The mock daemon driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
+import json
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from protocol_support import ROOT, child_env
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def client(mock_daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mock_daemon.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
+
+
+def curl(*args: str) -> tuple[int, str]:
+    """(HTTP status, body) of one curl call."""
+    out = subprocess.run(["curl", "-sS", "-N", "-w", "\n%{http_code}", *args], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    body, _, status = out.rpartition("\n")
+    return int(status), body
+
+
+def post(daemon, path: str, body: str, key: str | None = KEY) -> tuple[int, str]:
+    auth = ["-H", f"Authorization: Bearer {key}"] if key else []
+    return curl(*auth, "-H", "Content-Type: application/json", "--data-binary", body, f"{daemon.base_url}{path}")
+
+
+def wait_for_cleanup(client: openai.OpenAI, tag: str) -> None:
+    deadline = time.monotonic() + 10
+    while tag not in client.chat.completions.create(model="cleanups", messages=[{"role": "user", "content": "?"}]).choices[0].message.content:
+        assert time.monotonic() < deadline, f"the worker never cleaned up {tag!r}"
+        time.sleep(0.02)
+
+
+def test_health_needs_no_key(mock_daemon):
+    assert curl(f"{mock_daemon.base_url}/")[0] == 200
+    assert curl(f"{mock_daemon.base_url}/health")[0] == 200
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["hfendpoint"]
+
+
+def test_chat_non_streaming(client):
+    result = client.chat.completions.create(model="echo", messages=[{"role": "system", "content": "be brief"},
+                                                                    {"role": "user", "content": "hello  there world"}])
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == "hello  there world"
+    assert choice.finish_reason == "stop"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (26, 3)
+
+
+def test_chat_streaming_with_usage(client):
+    chunks = list(client.chat.completions.create(
+        model="echo", stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "one two three"}]}]))
+    content_chunks = [c for c in chunks if c.choices]
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in content_chunks[1:])
+    assert "".join(c.choices[0].delta.content for c in content_chunks) == "one two three"
+    assert [c.choices[0].finish_reason for c in content_chunks] == [None, None, None, "stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 13 + 3
+
+
+def test_curl_streams_sse(mock_daemon):
+    status, body = post(mock_daemon, "/v1/chat/completions",
+                        json.dumps({"model": "echo", "stream": True, "messages": [{"role": "user", "content": "a b"}]}))
+    assert status == 200
+    events = [e for e in body.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["a ", "b", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def expected_embedding(tokens: list[int]) -> list[float]:
+    vector = [float(len(tokens)), float(sum(tokens) % 1000), float(tokens[0]), 0.5]
+    return list(struct.unpack("<4f", struct.pack("<4f", *vector)))
+
+
+def test_embeddings_strings_go_through_tokenize(client):
+    result = client.embeddings.create(model="echo", input=["hello", "hi"])  # the client asks for base64
+    assert [d.embedding for d in result.data] == [expected_embedding([ord(c) for c in "hello"]),
+                                                 expected_embedding([ord(c) for c in "hi"])]
+    assert [d.index for d in result.data] == [0, 1]
+    assert result.usage.prompt_tokens == result.usage.total_tokens == 7
+
+
+def test_embeddings_token_lists_and_float_format(mock_daemon, client):
+    result = client.embeddings.create(model="echo", input=[[5, 6, 7], [9]], encoding_format="float")
+    assert [d.embedding for d in result.data] == [expected_embedding([5, 6, 7]), expected_embedding([9])]
+    assert result.usage.prompt_tokens == 4
+    status, body = post(mock_daemon, "/v1/embeddings", json.dumps({"input": [1, 2]}))
+    assert status == 200 and json.loads(body)["data"][0]["embedding"] == expected_embedding([1, 2])
+
+
+def test_responses(client):
+    result = client.responses.create(model="echo", input="hello responses")
+    assert result.output_text == "hello responses"
+    assert result.usage.output_tokens == 2
+
+
+def test_client_disconnect_mid_stream_cancels_the_worker_request(mock_daemon, client):
+    stream = client.chat.completions.create(model="slow", stream=True,
+                                            messages=[{"role": "user", "content": "disconnect-1"}])
+    received = [next(stream) for _ in range(3)]
+    assert [c.choices[0].delta.content for c in received] == ["0 ", "1 ", "2 "]
+    stream.close()
+    wait_for_cleanup(client, "disconnect-1 cancelled")
+    mock_daemon.wait_for_log(r"worker stderr: cleanup: disconnect-1 cancelled")
+
+
+@pytest.mark.parametrize("body, param", [
+    ("{not json", None),
+    ("[1, 2]", None),
+    ('{"messages": "hi"}', "messages"),
+    ('{"messages": [1]}', "messages"),
+    ('{"messages": [], "stream": "yes"}', "stream"),
+])
+def test_bad_chat_bodies_get_400(mock_daemon, body, param):
+    status, text = post(mock_daemon, "/v1/chat/completions", body)
+    assert status == 400
+    error = json.loads(text)["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+@pytest.mark.parametrize("body", ['{"input": []}', '{"input": ""}', '{"input": ["a", 1]}', '{"input": [[-1]]}',
+                                  '{"input": "a", "encoding_format": "int8"}', '{}'])
+def test_bad_embeddings_bodies_get_400(mock_daemon, body):
+    status, text = post(mock_daemon, "/v1/embeddings", body)
+    assert status == 400
+    assert json.loads(text)["error"]["param"] in ("input", "encoding_format")
+
+
+def test_missing_or_wrong_api_key_gets_401(mock_daemon):
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}]})
+    for key in (None, "wrong"):
+        status, text = post(mock_daemon, "/v1/chat/completions", body, key=key)
+        assert status == 401
+        assert json.loads(text)["error"]["code"] == "invalid_api_key"
+
+
+def test_worker_error_gets_500(client):
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError, match="echo worker was asked to fail"):
+            result = client.chat.completions.create(model="fail", stream=stream,
+                                                    messages=[{"role": "user", "content": "x"}])
+            list(result) if stream else None
+
+
+def test_body_over_the_limit_gets_413(mock_daemon):
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]})
+    proc = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Authorization: Bearer {KEY}",
+                           "--data-binary", "@-", f"{mock_daemon.base_url}/v1/chat/completions"],
+                          input=body, capture_output=True, text=True, timeout=30)
+    text, _, status = proc.stdout.rpartition("\n")
+    assert status == "413"
+    assert json.loads(text)["error"]["code"] == "request_too_large"
+
+
+def test_silent_worker_times_out_and_is_cancelled(spawn_mock_daemon):
+    daemon = spawn_mock_daemon(extra=["--chunk-timeout", "0.5"])
+    status, text = post(daemon, "/v1/chat/completions", json.dumps({"model": "stall", "messages": [
+        {"role": "user", "content": "stalled-1"}]}), key=None)
+    assert status == 500 and "sent nothing" in json.loads(text)["error"]["message"]
+    daemon.wait_for_log(r"worker stderr: cleanup: stalled-1 cancelled")
+
+
+def test_worker_death_gets_503_and_stops_the_daemon(spawn_mock_daemon):
+    daemon = spawn_mock_daemon()
+    status, text = post(daemon, "/v1/chat/completions", json.dumps({"model": "crash", "messages": [
+        {"role": "user", "content": "x"}]}), key=None)
+    assert status == 503 and json.loads(text)["error"]["code"] == "worker_unavailable"
+    assert daemon.proc.wait(20) == 1
+    assert "the worker exited with code 3" in daemon.log()
+
+
+def test_sigterm_shuts_down_daemon_and_worker(spawn_mock_daemon):
+    daemon = spawn_mock_daemon()
+    assert post(daemon, "/v1/embeddings", '{"input": "ok"}', key=None)[0] == 200
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(20) == 0
+    assert "shutting down (signal)" in daemon.log()
+    assert "Traceback" not in daemon.log()
+
+
+def test_worker_that_cannot_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--",
+                           str(tmp_path / "no-such-worker")], capture_output=True, text=True, timeout=30,
+                          cwd=ROOT, env=child_env())
+    assert proc.returncode == 1
+    assert "cannot start the worker" in proc.stderr
