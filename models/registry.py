@@ -57,12 +57,13 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Loa
     from models.loader import load_weights, load_safetensors
 
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        from models.gguf_loader import iterate_gguf, read_gguf_config
+        from models.gguf_loader import gguf_model_dir, iterate_gguf
 
-        hf_config = read_gguf_config(model_path)
+        model_dir = gguf_model_dir(model_path)
+        hf_config = AutoConfig.from_pretrained(model_dir)
         model = build_decoder(hf_config, dtype, device, with_lm_head=architecture_of(hf_config) in DECODERS)
         load_weights(model, iterate_gguf(model_path, hf_config), source=model_path)
-        return LoadedModel(model.eval(), hf_config, "decoder", os.path.dirname(os.path.abspath(model_path)))
+        return LoadedModel(model.eval(), hf_config, "decoder", model_dir)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"{model_path!r} is neither a .gguf file nor a directory with a config.json")
     hf_config = AutoConfig.from_pretrained(model_path)

@@ -45,7 +45,7 @@ def smollm2():
 def test_smollm2_gguf_logits_match_transformers(smollm2):
     loaded, reference = smollm2
     assert loaded.kind == "decoder" and loaded.hf_config.architectures == ["LlamaForCausalLM"]
-    assert os.path.isfile(os.path.join(loaded.model_dir, GGUF_NAME))
+    assert os.path.isfile(os.path.join(loaded.model_dir, "config.json"))  # the converted metadata
     ids = torch.tensor(PROMPT)
     hidden = loaded.model(ids, torch.arange(len(PROMPT)), varlen_metadata([len(PROMPT)]))
     ours = loaded.model.compute_logits(hidden)

@@ -1,12 +1,11 @@
 """Triton kernels on the GPU: correctness against the torch reference over many shapes, then speed.
 
-Run on a CUDA machine from the repo root:  PYTHONPATH=. python3 bench/kernels.py
+Run on a CUDA machine from the repo root:  PYTHONPATH=. python3 bench/kernel_speed.py
 Every case runs with freshly allocated outputs poisoned with NaN, so an element a kernel forgets to write
 fails the check. Timings are do_bench medians; bandwidth is the bytes a kernel must move divided by its
 time, against the H100's measured 3.0 TB/s copy bandwidth. Failures are reported per case, not fatal.
 """
 import contextlib
-import os
 import sys
 import time
 import traceback
@@ -14,9 +13,6 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-# Run as a script, this file's folder leads sys.path and its name would shadow the kernels package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 PEAK_BYTES_PER_S = 3.0e12
 DTYPE = torch.bfloat16
@@ -253,7 +249,7 @@ def measure_speed(report, triton_attention, elementwise):
 
 def main():
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU (the Triton kernels are tested on CPU by tests/kernels)")
+        sys.exit("bench/kernel_speed.py needs a CUDA GPU (the Triton kernels are tested on CPU by tests/kernels)")
     from kernels import reference, triton_activation, triton_attention, triton_kv_cache, triton_norm, triton_rotary
     from tests.kernels.kernel_testing import paged_batch
 

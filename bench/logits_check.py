@@ -1,0 +1,91 @@
+"""GPU check: the engine's logits for a random Qwen3-0.6B-shaped model against transformers' on the same
+weights, teacher-forced over 256 positions, through the real step path: chunked prefill, decode with and
+without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error."""
+import argparse
+from random import randint, seed
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from random_model import make_random_model
+
+MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
+
+
+class TeacherForcing:
+    """Stands in for the engine's sampler: records each step's logits and returns the reference token."""
+
+    def __init__(self, tokens: list[int], prompt_len: int):
+        self.tokens, self.prompt_len, self.logits = tokens, prompt_len, []
+
+    def __call__(self, logits, seqs):
+        seq = seqs[0]
+        self.logits.append(logits[0].float())
+        return torch.tensor([self.tokens[len(seq)]], device=logits.device)
+
+
+def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    core = llm.core
+    forcing = TeacherForcing(tokens, prompt_len)
+    sampler, core.runner.sampler = core.runner.sampler, forcing
+    try:
+        seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
+            temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))
+        core.scheduler.add(seq)
+        while core.scheduler.has_work():
+            core.step()
+    finally:
+        core.runner.sampler = sampler
+    return torch.stack(forcing.logits), seq.num_cached_tokens
+
+
+def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor) -> tuple[float, float, float, float]:
+    """Top-1 agreement over all positions and over the positions bf16 can decide (margin_ref's top two
+    logits more than MARGIN apart; random weights give near-ties that bf16 rounding flips either way),
+    and the median and max error of the log-prob of ref's top token."""
+    same = ours.argmax(-1) == ref.argmax(-1)
+    top2 = margin_ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > MARGIN
+    ref_top = ref.argmax(-1, keepdim=True)
+    err = (torch.log_softmax(ours, -1).gather(-1, ref_top) - torch.log_softmax(ref, -1).gather(-1, ref_top)).abs()
+    return same.float().mean().item(), same[decided].float().mean().item(), err.median().item(), err.max().item()
+
+
+@torch.inference_mode()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--positions", type=int, default=256)
+    args = ap.parse_args()
+    seed(0)
+    path = make_random_model(args.model) if "/" not in args.model else args.model
+    tokens = [randint(0, 10000) for _ in range(args.prompt_len + args.positions)]
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([tokens], device="cuda")
+    ref = ref_model(ids).logits[0, args.prompt_len - 1:-1].float()
+    ref32 = ref_model.float()(ids).logits[0, args.prompt_len - 1:-1].float()
+    del ref_model
+    torch.cuda.empty_cache()
+    rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32))]
+    for eager in (False, True):
+        llm = LLM(path, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3)
+        name = "eager" if eager else "cuda graphs"
+        ours, _ = engine_logits(llm, tokens, args.prompt_len)
+        rows.append((f"engine ({name}, chunked prefill 128) vs bf16", *compare(ours, ref, ref32)))
+        rows.append((f"engine ({name}) vs fp32", *compare(ours, ref32, ref32)))
+        ours, cached = engine_logits(llm, tokens, args.prompt_len)
+        rows.append((f"engine ({name}, prefix hit {cached} tok) vs fp32", *compare(ours, ref32, ref32)))
+        del llm
+        torch.cuda.empty_cache()
+    top2 = ref32.topk(2, dim=-1).values
+    decided = ((top2[:, 0] - top2[:, 1]) > MARGIN).sum().item()
+    print(f"{decided} of {len(ref32)} positions have a top-2 margin over {MARGIN} in the fp32 reference")
+    print(f"{'comparison':52} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
+    for name, agree, agree_decided, med, mx in rows:
+        print(f"{name:52} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
+
+
+if __name__ == "__main__":
+    main()

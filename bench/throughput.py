@@ -1,0 +1,40 @@
+"""Offline throughput on the Nano-vLLM workload (../shared/bench.md): 256 requests, random prompts of
+100-1024 tokens, 100-1024 output tokens each (133,966 in all), ignore_eos, temperature 0.6."""
+import argparse
+import time
+from random import randint, seed
+
+from engine import LLM, SamplingParams
+from random_model import make_random_model
+
+
+def workload(num_seqs=256, max_input_len=1024, max_output_len=1024):
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b", help="a config name under bench/models or a model directory")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = ap.parse_args()
+    path = make_random_model(args.model) if "/" not in args.model else args.model
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
+    prompts, params = workload(args.num_seqs)
+    total = sum(p.max_tokens for p in params)
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        print(f"output tokens {total}  seconds {seconds:.2f}  throughput {total / seconds:,.0f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

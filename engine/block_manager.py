@@ -1,0 +1,167 @@
+"""KV-cache block bookkeeping: ref-counted blocks, a free queue in eviction order, and the prefix cache.
+
+Only metadata lives here; the KV tensors are indexed by block id in the model runner. A full block is
+identified by an xxhash of its tokens chained on its parent block's hash, so equal hashes mean equal
+prefixes. Freed blocks keep their hash and contents and join the back of the free queue: a later request
+with the same prefix takes them back (a hit) until allocation reaches them at the front (eviction).
+"""
+import numpy as np
+import xxhash
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # a cached block's tokens, to verify a hash hit
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks: O(1) push at either end, pop at the front, and removal
+    of any block (a prefix-cache hit on a free block)."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head, self.tail = Block(-1), Block(-1)  # sentinels
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.length = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        block = self.head.next
+        while block is not self.tail:
+            yield block
+            block = block.next
+
+    def _insert_after(self, anchor: Block, block: Block) -> None:
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self.length += 1
+
+    def append(self, block: Block) -> None:
+        self._insert_after(self.tail.prev, block)
+
+    def appendleft(self, block: Block) -> None:
+        self._insert_after(self.head, block)
+
+    def remove(self, block: Block) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.length -= 1
+
+    def popleft(self) -> Block:
+        block = self.head.next
+        assert block is not self.tail, "pop from an empty free queue"
+        self.remove(block)
+        return block
+
+
+def hash_block(parent_hash: int, token_ids: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=parent_hash)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}  # hash -> block holding that prefix
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of seq's first num_blocks full blocks, each computed once per sequence."""
+        size = self.block_size
+        for i in range(len(seq.block_hashes), num_blocks):
+            parent = seq.block_hashes[i - 1] if i else 0
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size]))
+        return seq.block_hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[Block]:
+        """The longest run of cached blocks matching seq's leading full blocks. The last token is never
+        covered, so the step that admits seq always computes at least one token and gets logits."""
+        size = self.block_size
+        num_blocks = (len(seq) - 1) // size
+        hits = []
+        for i, h in enumerate(self._block_hashes(seq, num_blocks)[:num_blocks]):
+            block = self.cached.get(h)
+            if block is None or block.token_ids != tuple(seq.token_ids[i * size:(i + 1) * size]):
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+        """Gives seq the blocks for its next num_new_tokens tokens (after the cached prefix, for a newly
+        admitted seq). Returns False and changes nothing when the free queue cannot cover it."""
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(seq.block_table) - len(cached_prefix)
+        reclaimed = sum(1 for block in cached_prefix if block.ref_count == 0)  # hits sitting in the free queue
+        if needed > len(self.free_queue) - reclaimed:
+            return False
+        for block in cached_prefix:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        seq.num_committed_blocks += len(cached_prefix)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block().block_id)
+        return True
+
+    def _take_free_block(self) -> Block:
+        block = self.free_queue.popleft()
+        if block.hash is not None:  # evict the least recently freed cached prefix
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            block.hash = block.token_ids = None
+        block.ref_count = 1
+        return block
+
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += len(seq)
+        self.num_hit_tokens += num_hit_tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """Registers seq's blocks that its computed tokens have filled since the last call, so later
+        requests can share them. Called after the step that wrote their KV."""
+        size = self.block_size
+        num_full = seq.num_computed_tokens // size
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_committed_blocks, num_full):
+            if hashes[i] not in self.cached:  # else an equal block is cached already; keep that one
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = hashes[i], tuple(seq.token_ids[i * size:(i + 1) * size])
+                self.cached[block.hash] = block
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        """Drops seq's references, tail blocks first so they are evicted before the shared prefix.
+        Unhashed blocks go to the front (nothing to keep), cached ones to the back (kept longest)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                (self.free_queue.append if block.hash is not None else self.free_queue.appendleft)(block)
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+        seq.num_computed_tokens = 0

@@ -1,0 +1,74 @@
+"""The step both front ends drive: the Worker on its thread, LLM on the caller's thread."""
+import json
+import os
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded):
+        self.model = config.model
+        self.runner = ModelRunner(config, loaded)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = eos_token_ids(loaded)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """ValueError saying what is wrong with a prompt the engine cannot serve."""
+        if not self.runner.can_generate:
+            raise ValueError(f"model {self.model} is an embedding model (no LM head): it serves embeddings only")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; with at least one token to "
+                             f"generate it must be shorter than max_model_len={self.max_model_len}")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= self.runner.vocab_size:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary "
+                             f"[0, {self.runner.vocab_size})")
+
+    def make_sequence(self, request_id, prompt_token_ids: list[int], params) -> Sequence:
+        self.check_prompt(prompt_token_ids)
+        return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
+
+    def step(self) -> list[tuple[Sequence, int | None]]:
+        """Schedules and computes one step. Returns each scheduled request with its new token (None when
+        it sampled nothing); a step that raises finishes its requests with finish_reason "error"."""
+        seqs, num_tokens = self.scheduler.schedule()
+        if not seqs:
+            return []
+        try:
+            sampled = self.runner.run(seqs, num_tokens)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+            self.scheduler.fail(seqs, f"{type(exc).__name__}: {exc}")
+            return [(seq, None) for seq in seqs]
+        self.scheduler.update(seqs, num_tokens, sampled)
+        return list(zip(seqs, sampled))
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
+                "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions}
+
+
+def eos_token_ids(loaded) -> tuple[int, ...]:
+    """End-of-sequence ids from the model's config and its generation_config.json (each an int or a list)."""
+    found = []
+    for source in (getattr(loaded.hf_config, "eos_token_id", None), _generation_config_eos(loaded.model_dir)):
+        if source is not None:
+            found.extend(source if isinstance(source, (list, tuple)) else [source])
+    return tuple(dict.fromkeys(int(token) for token in found))
+
+
+def _generation_config_eos(model_dir: str):
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("eos_token_id")

@@ -1,0 +1,67 @@
+"""Offline batch generation on the caller's thread, like Nano-vLLM's LLM."""
+import os
+import sys
+import time
+
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from models.registry import load_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class LLM:
+    def __init__(self, model_path: str, **config_overrides):
+        self.config = EngineConfig(model=model_path, **config_overrides)
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.config.tensor_parallel_size} is not supported yet; use 1")
+        loaded = load_model(model_path, self.config.torch_dtype, self.config.torch_device)
+        if loaded.kind != "decoder":
+            raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
+        self.core = EngineCore(self.config, loaded)
+        self.tokenizer = load_tokenizer(loaded.model_dir)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[dict]:
+        """Runs every prompt to completion; returns [{"text", "token_ids"}] in prompt order
+        (text is None for a model without a tokenizer)."""
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        seqs = [self.core.make_sequence(i, self._encode(prompt), params)
+                for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
+        for seq in seqs:
+            self.core.scheduler.add(seq)
+        done, started = 0, time.perf_counter()
+        while self.core.scheduler.has_work():
+            for seq, _ in self.core.step():
+                if seq.finish_reason == "error":
+                    for other in seqs:
+                        self.core.scheduler.abort(other)
+                    raise RuntimeError(f"generation failed: {seq.error}")
+                done += seq.is_finished
+            if progress:
+                print(f"\r{done}/{len(seqs)} done, {time.perf_counter() - started:.1f} s", end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+        return [{"text": self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                 if self.tokenizer else None, "token_ids": seq.output_token_ids} for seq in seqs]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer: pass prompts as token-id lists")
+        return self.tokenizer.encode(prompt)
+
+
+def load_tokenizer(model_dir: str):
+    """The tokenizer in a model directory (for a .gguf file, the one its metadata was converted into), or None."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,95 @@
+"""Token choice for a whole batch on the device; only the chosen ids go back to the host.
+
+Order (as vLLM and the OpenAI API define it): repetition penalty (prompt and output tokens), frequency
+and presence penalties (output tokens), then greedy rows take the argmax; the others divide by their
+temperature, drop tokens under min_p * max probability, outside the top k, and outside the top-p
+nucleus, and draw with the exponential-race trick argmax(p / q), q ~ Exp(1). The race lets each seeded
+request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
+"""
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int | None = None):
+        self.device = device
+        self.generator = torch.Generator(device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """logits [N, V] float32, one row per request -> int64 [N] token ids, on the device."""
+        params = [seq.params for seq in seqs]
+        if any(p.penalised for p in params):
+            logits = self.apply_penalties(logits, seqs)
+        if all(p.greedy for p in params):
+            return logits.argmax(-1)
+        values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
+                           for p in params], dtype=np.float32).T
+        temperature, top_p, min_p, top_k, greedy = torch.from_numpy(values).to(self.device, non_blocking=True)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        if any(p.min_p > 0 for p in params):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            probs = top_k_top_p(probs, top_k, top_p)
+        noise = self.exponential_noise(probs, seqs)
+        sampled = (probs / noise).argmax(-1)
+        if any(p.greedy for p in params):
+            sampled = torch.where(greedy.bool(), logits.argmax(-1), sampled)
+        return sampled
+
+    def exponential_noise(self, probs: Tensor, seqs: list[Sequence]) -> Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.greedy:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+                noise[row].exponential_(generator=seq.generator)
+        return noise.clamp_(min=1e-20)  # a zero draw would turn a masked token's 0 / 0 into NaN
+
+    def apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """Penalised copy of logits; token counts are built on the device from each request's tokens."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
+        output_counts = token_counts([seqs[i].output_token_ids for i in rows], logits.shape[1], self.device)
+        prompt_counts = token_counts([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows],
+                                     logits.shape[1], self.device)
+        values = np.array([(seqs[i].params.repetition_penalty, seqs[i].params.frequency_penalty,
+                            seqs[i].params.presence_penalty) for i in rows], dtype=np.float32).T
+        repetition, frequency, presence = torch.from_numpy(values).to(self.device, non_blocking=True)
+        index = torch.tensor(rows, device=self.device)
+        picked = logits[index]
+        seen = (output_counts + prompt_counts) > 0
+        penalty = torch.where(seen, repetition[:, None], 1.0)
+        picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+        picked = picked - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+        logits = logits.clone()
+        logits[index] = picked
+        return logits
+
+
+def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """How often each vocabulary id occurs in each list: [len(token_lists), vocab_size] float32."""
+    width = max(1, max(len(tokens) for tokens in token_lists))
+    padded = np.full((len(token_lists), width), vocab_size, dtype=np.int64)  # pad into a spill column
+    for row, tokens in enumerate(token_lists):
+        padded[row, :len(tokens)] = tokens
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    ids = torch.from_numpy(padded).to(device, non_blocking=True)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Zeroes probabilities outside each row's top k (0: all) and its top-p nucleus (always keeps the top one)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)
+    cumulative = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+    drop = (cumulative >= top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) & (rank > 0)
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))

@@ -1,0 +1,103 @@
+"""Which requests compute which tokens in the next step.
+
+Running requests first (oldest first), then waiting ones, under one token budget and a cap on running
+requests. Blocks are allocated for exactly the tokens a step computes; when they run out, the newest
+running request is preempted (blocks freed, back to the front of the waiting queue, recomputed later).
+"""
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], list[int]]:
+        """Returns the step's requests and how many new tokens each computes."""
+        budget = self.max_num_batched_tokens
+        seqs, num_tokens = [], []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                preempted = True
+                self._preempt(self.running.pop())  # the newest; never one already scheduled (all before i)
+                if len(self.running) == i:  # seq itself was the newest
+                    break
+            else:
+                seqs.append(seq)
+                num_tokens.append(n)
+                budget -= n
+                i += 1
+        while self.waiting and budget and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            cached_prefix = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached_prefix) * self.block_manager.block_size
+            n = min(len(seq) - num_cached, budget)
+            if not self.block_manager.allocate(seq, n, cached_prefix):
+                break
+            self.block_manager.record_lookup(seq, num_cached)
+            self.waiting.popleft()
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_tokens.append(n)
+            budget -= n
+        return seqs, num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None]) -> None:
+        """Applies a finished step: advances each request, appends sampled tokens, retires finished ones."""
+        for seq, n, token_id in zip(seqs, num_tokens, sampled):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if token_id is not None:
+                seq.append_token(token_id)
+        self._retire()
+
+    def fail(self, seqs: list[Sequence], error: str) -> None:
+        """Finishes requests whose step raised; their partially written blocks are never committed."""
+        for seq in seqs:
+            seq.finish("error", error)
+        self._retire()
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self.block_manager.free(seq)  # a preempted request holds nothing; this only resets it
+        seq.finish("abort")
+        self._retire()
+
+    def _retire(self) -> None:
+        """Frees the blocks of finished running requests and drops them from the running list."""
+        still_running = []
+        for seq in self.running:
+            if seq.is_finished:
+                self.block_manager.free(seq)
+            else:
+                still_running.append(seq)
+        self.running = still_running

@@ -1,0 +1,70 @@
+"""One request as the engine tracks it: its tokens, how many of them have KV in the cache, and its blocks."""
+from enum import Enum, auto
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request's state. There are no phases: a step computes tokens num_computed_tokens.. of token_ids
+    (a whole prompt, a chunk of one, a recomputation after preemption or one decode token), and the
+    request samples a new token whenever that step reaches the end of token_ids."""
+
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
+                 "block_table", "block_hashes", "num_committed_blocks", "status", "params", "stop_token_ids",
+                 "max_len", "generator", "finish_reason", "error")
+
+    def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0           # prompt tokens served from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []    # chained hash of each full block of token_ids, computed once
+        self.num_committed_blocks = 0        # leading blocks of block_table registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                  else frozenset(eos_token_ids))
+        limit = max_model_len if params.max_tokens is None else self.num_prompt_tokens + params.max_tokens
+        self.max_len = min(limit, max_model_len)
+        self.generator: torch.Generator | None = None  # created by the sampler on first use when seeded
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Adds a sampled token and finishes the request on a stop token or at its length limit."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish("stop")
+        elif len(self.token_ids) >= self.max_len:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error

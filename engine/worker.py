@@ -1,0 +1,231 @@
+"""The engine thread and its thread-safe front door for the asyncio world.
+
+submit(), abort() and embed() only hand work over under a lock and wake the thread; the thread applies
+it between steps, runs a step, and delivers every request's new tokens of that step with one
+call_soon_threadsafe per event loop. Idle, the thread sleeps on a condition variable.
+"""
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.encoder_runner import EncoderRunner
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from models.registry import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: object
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; set only on a request's last item
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _EmbedJob:
+    token_lists: list[list[int]]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; use 1")
+        self.config = config
+        loaded = load_model(config.model, config.torch_dtype, config.torch_device)
+        self.kind, self.model_dir = loaded.kind, loaded.model_dir
+        self.hidden_size = loaded.hf_config.hidden_size
+        self.vocab_size = loaded.hf_config.vocab_size
+        if self.kind == "encoder":
+            self.core, self.embedder = None, EncoderRunner(config, loaded)
+            self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
+        else:
+            self.core = EngineCore(config, loaded)
+            self.embedder = self.core.runner
+            self.eos_token_ids, self.max_model_len = self.core.eos_token_ids, self.core.max_model_len
+        self._cond = threading.Condition()
+        self._new: list[_Request] = []
+        self._aborts: list = []
+        self._embed_jobs: list[_EmbedJob] = []
+        self._requests: dict[object, _Request] = {}  # in flight, by request id (engine thread and submit)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop (any thread) ------------------------------------------------
+
+    def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queues a generation request; its outputs arrive on the returned queue. Bad input -> ValueError."""
+        if self.core is None:
+            raise ValueError(f"model {self.config.model} is an embedding model: it serves embeddings only")
+        seq = self.core.make_sequence(request_id, prompt_token_ids, params)
+        request = _Request(seq, asyncio.Queue(), asyncio.get_running_loop())
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine has shut down")
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._requests[request_id] = request
+            self._new.append(request)
+            self._cond.notify()
+        return request.queue
+
+    def abort(self, request_id) -> None:
+        """Stops a request; its blocks are freed at the next step and its queue gets a final "abort" item."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
+        """Pooled, normalised vectors, computed between steps in batches with concurrent calls."""
+        if not token_lists:
+            raise ValueError("no inputs to embed")
+        for i, tokens in enumerate(token_lists):
+            if not tokens:
+                raise ValueError(f"input {i} is empty: every input needs at least one token")
+            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+                raise ValueError(f"input {i} has a token id outside the vocabulary [0, {self.vocab_size})")
+        loop = asyncio.get_running_loop()
+        job = _EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine has shut down")
+            self._embed_jobs.append(job)
+            self._cond.notify()
+        return await job.future
+
+    def stats(self) -> dict:
+        if self.core is None:
+            return {"running": 0, "waiting": 0, "num_free_blocks": 0, "num_total_blocks": 0,
+                    "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stops the thread; requests still in flight end with "abort"."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self._new or self._aborts or self._embed_jobs
+                           or (self.core and self.core.scheduler.has_work())):
+                    self._cond.wait()
+                stopping = self._stopped
+                if stopping:
+                    self._aborts.extend(self._requests)
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+                jobs = self._take_embed_jobs()
+            try:
+                self._iteration(new, aborts, jobs)
+            except Exception as exc:  # noqa: BLE001 - a bug in one iteration fails its requests, not the process
+                log.exception("engine iteration failed")
+                self._fail_everything(f"{type(exc).__name__}: {exc}")
+            if stopping:
+                with self._cond:
+                    jobs, self._embed_jobs = self._embed_jobs, []
+                for job in jobs:
+                    job.loop.call_soon_threadsafe(_set_future, job.future, None, RuntimeError("the engine shut down"))
+                return
+
+    def _iteration(self, new: list[_Request], aborts: list, jobs: list[_EmbedJob]) -> None:
+        for request in new:
+            self.core.scheduler.add(request.seq)
+        finished = []
+        for request_id in aborts:
+            request = self._requests.get(request_id)
+            if request is not None and not request.seq.is_finished:
+                self.core.scheduler.abort(request.seq)
+                finished.append((request.seq, None))
+        self._deliver(finished)
+        if jobs:
+            self._run_embed_jobs(jobs)
+        if self.core and self.core.scheduler.has_work():
+            self._deliver(self.core.step())
+
+    def _take_embed_jobs(self) -> list[_EmbedJob]:
+        """Pending embedding calls up to max_embedding_batch_tokens (always at least one)."""
+        taken, tokens = 0, 0
+        for job in self._embed_jobs:
+            size = sum(map(len, job.token_lists))
+            if taken and tokens + size > self.config.max_embedding_batch_tokens:
+                break
+            taken, tokens = taken + 1, tokens + size
+        jobs, self._embed_jobs = self._embed_jobs[:taken], self._embed_jobs[taken:]
+        return jobs
+
+    def _run_embed_jobs(self, jobs: list[_EmbedJob]) -> None:
+        try:
+            vectors = self.embedder.embed([tokens for job in jobs for tokens in job.token_lists]).tolist()
+        except Exception as exc:  # noqa: BLE001 - reported to the callers
+            for job in jobs:
+                job.loop.call_soon_threadsafe(_set_future, job.future, None, exc)
+            return
+        start = 0
+        for job in jobs:
+            end = start + len(job.token_lists)
+            job.loop.call_soon_threadsafe(_set_future, job.future, vectors[start:end], None)
+            start = end
+
+    def _deliver(self, results: list[tuple[Sequence, int | None]]) -> None:
+        """Posts one step's outputs with a single call_soon_threadsafe per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for seq, token_id in results:
+            request = self._requests.get(seq.request_id)
+            if request is None or (token_id is None and not seq.is_finished):
+                continue
+            output = RequestOutput(seq.request_id, [] if token_id is None else [token_id], seq.finish_reason,
+                                   seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+            batches.setdefault(request.loop, []).append((request.queue, output))
+            if seq.is_finished:
+                with self._cond:
+                    del self._requests[seq.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed; nobody is listening
+                pass
+
+    def _fail_everything(self, error: str) -> None:
+        seqs = [request.seq for request in list(self._requests.values()) if not request.seq.is_finished]
+        for seq in seqs:
+            if seq in self.core.scheduler.running or seq in self.core.scheduler.waiting:
+                self.core.scheduler.abort(seq)
+            seq.finish("error", error)
+        self._deliver([(seq, None) for seq in seqs])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
+
+def _set_future(future: asyncio.Future, result, exc: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)

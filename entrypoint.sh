@@ -1,0 +1,127 @@
+#!/bin/sh
+# Container entrypoint: check the configuration in milliseconds, then exec the front daemon (hfendpoint,
+# or our mock daemon when hfendpoint is not installed) with `python -m handler` as its worker.
+# exec, so that the daemon gets the container's signals; the daemon stops the handler on SIGTERM.
+set -eu
+
+usage() {
+	cat <<'EOF'
+Usage: entrypoint.sh [HANDLER_ARGS...]
+
+Starts the HTTP front daemon on HOST:PORT (OpenAI API: /v1/chat/completions, /v1/embeddings;
+health: /health) and the handler (`python -m handler HANDLER_ARGS...`) behind it.
+
+Variables read here:
+  PORT                       port to listen on (default 80)
+  HOST                       address to bind (default 0.0.0.0)
+  PYTHON                     the Python that runs the handler (default python3)
+  HFENDPOINT_BIN             the front daemon (default hfendpoint from PATH; when absent, the mock
+                             daemon `python -m daemon_protocol.mock_daemon` is used instead)
+  HFENDPOINT_API_KEY         mock daemon only: require `Authorization: Bearer KEY` (hfendpoint
+                             v0.3.0 has no authentication of its own)
+  HFENDPOINT_REPOSITORY_DIR  where a mounted model is looked for (default /repository; Inference
+                             Endpoints mount the model there); it wins over MODEL_ID
+  MODEL_ID                   hub id (org/name) or local path (directory with config.json, or a .gguf
+                             file); a path that does not exist is an error; unset: the handler's default
+
+Passed on to the handler (inherited environment; defaults in the README):
+  HF_TOKEN, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_HUB_ETAG_TIMEOUT, HF_ENDPOINT
+  HFENDPOINT_DEVICE, HFENDPOINT_DTYPE, HFENDPOINT_MAX_MODEL_LEN, HFENDPOINT_GPU_MEMORY_UTILIZATION,
+  HFENDPOINT_ENFORCE_EAGER, HFENDPOINT_MAX_BATCHED_TOKENS, HFENDPOINT_MAX_SEQS,
+  HFENDPOINT_TENSOR_PARALLEL_SIZE, HFENDPOINT_KV_BLOCK_SIZE, HFENDPOINT_CPU_KV_CACHE_GB,
+  HFENDPOINT_NUM_KV_BLOCKS, HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS, HFENDPOINT_MODEL_NAME
+EOF
+}
+
+die() {
+	printf 'entrypoint: error: %s\n' "$*" >&2
+	exit 1
+}
+
+log() {
+	printf 'entrypoint: %s\n' "$*" >&2
+}
+
+check_port() {
+	case $PORT in
+	'' | *[!0-9]*) die "PORT=$PORT is not a port number; set PORT to an integer from 1 to 65535" ;;
+	esac
+	[ "$PORT" -ge 1 ] && [ "$PORT" -le 65535 ] || die "PORT=$PORT is out of range; set PORT to an integer from 1 to 65535"
+}
+
+# A MODEL_ID that names a path (absolute, relative with a leading dot, ~/..., or a .gguf file) must exist:
+# a typo there would otherwise surface only after the daemon and the Python imports are up.
+check_model() {
+	if has_mounted_model "$REPOSITORY_DIR"; then
+		log "serving the model mounted at $REPOSITORY_DIR"
+		return
+	fi
+	if [ -z "${MODEL_ID:-}" ]; then
+		log "MODEL_ID is not set and nothing is mounted at $REPOSITORY_DIR: the handler serves its default model"
+		return
+	fi
+	case $MODEL_ID in
+	\~/*) model_path=$HOME/${MODEL_ID#\~/} ;;
+	/* | .* | *.gguf) model_path=$MODEL_ID ;;
+	*) model_path= ;;
+	esac
+	if [ -n "$model_path" ] && [ ! -e "$model_path" ]; then
+		die "MODEL_ID=$MODEL_ID: no such file or directory; set MODEL_ID to an existing model directory or .gguf file, or to a hub id (org/name)"
+	fi
+	log "serving MODEL_ID=$MODEL_ID"
+}
+
+has_mounted_model() {
+	[ -f "$1/config.json" ] && return 0
+	for file in "$1"/*.gguf; do
+		[ -f "$file" ] && return 0
+	done
+	return 1
+}
+
+# Ports below net.ipv4.ip_unprivileged_port_start need CAP_NET_BIND_SERVICE. The image gives it to the
+# hfendpoint binary as a file capability, which the kernel ignores under no_new_privs (Docker's
+# --security-opt no-new-privileges, Kubernetes' allowPrivilegeEscalation: false): say so instead of
+# letting the daemon fail later with a bare "permission denied".
+check_port_bindable() {
+	has_file_capability=$1
+	[ "$(id -u)" -eq 0 ] && return
+	first_free_port=$(cat /proc/sys/net/ipv4/ip_unprivileged_port_start 2>/dev/null || echo 1024)
+	[ "$PORT" -ge "$first_free_port" ] && return
+	if [ "$has_file_capability" = yes ] && ! grep -qs '^NoNewPrivs:[[:space:]]*1' /proc/self/status; then
+		return
+	fi
+	die "user $(id -un) cannot bind port $PORT (ports below $first_free_port are privileged here); set PORT to $first_free_port or above, or run the container with --sysctl net.ipv4.ip_unprivileged_port_start=0"
+}
+
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+	usage
+	exit 0
+fi
+
+PORT=${PORT:-80}
+HOST=${HOST:-0.0.0.0}
+PYTHON=${PYTHON:-python3}
+REPOSITORY_DIR=${HFENDPOINT_REPOSITORY_DIR:-/repository}
+
+if [ -n "${HFENDPOINT_BIN:-}" ] && ! command -v "$HFENDPOINT_BIN" >/dev/null 2>&1; then
+	die "HFENDPOINT_BIN=$HFENDPOINT_BIN: command not found; unset it to use hfendpoint from PATH or the mock daemon"
+fi
+daemon=${HFENDPOINT_BIN:-hfendpoint}
+if command -v "$daemon" >/dev/null 2>&1; then
+	uses_hfendpoint=yes
+else
+	uses_hfendpoint=no
+fi
+
+check_port
+check_port_bindable "$uses_hfendpoint"
+command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON: command not found; set PYTHON to the interpreter that has nanovllm-endpoint installed"
+check_model
+
+if [ "$uses_hfendpoint" = yes ]; then
+	log "starting $daemon on $HOST:$PORT"
+	exec "$daemon" --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"
+fi
+log "hfendpoint not found: starting the mock daemon (python -m daemon_protocol.mock_daemon) on $HOST:$PORT"
+exec "$PYTHON" -m daemon_protocol.mock_daemon --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"

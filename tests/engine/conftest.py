@@ -1,0 +1,60 @@
+"""Tiny random decoders saved as transformers checkpoints, and transformers' own greedy output as reference."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+}
+
+
+class Reference:
+    """A saved tiny model plus the transformers module that greedy outputs are compared against."""
+
+    def __init__(self, path, hf_model):
+        self.path, self.hf_model = path, hf_model
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        out = self.hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session", params=sorted(CONFIGS))
+def tiny_model(request, tmp_path_factory) -> Reference:
+    return _make(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Reference:
+    return _make("llama", tmp_path_factory)
+
+
+_CACHE = {}
+
+
+def _make(name, tmp_path_factory) -> Reference:
+    if name not in _CACHE:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        _CACHE[name] = Reference(str(path), model)
+    return _CACHE[name]
+
+
+def _prompts_of_lengths(lengths, seed=1, vocab=TINY["vocab_size"]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def prompts_of_lengths():
+    """prompts_of_lengths(lengths, seed=1): random token-id prompts of the given lengths."""
+    return _prompts_of_lengths

@@ -1,0 +1,113 @@
+"""Greedy decoding through engine.LLM equals transformers' greedy output token for token, on tiny random
+Llama / Qwen2 / Qwen3 models (GQA), also with prefix-cache hits, chunked prefill and preemption."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+LENGTHS = [3, 17, 33, 50]
+NEW = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
+
+
+def expected(ref, prompts):
+    return [ref.greedy(prompt, NEW) for prompt in prompts]
+
+
+def generated(llm, prompts, params=GREEDY):
+    return [out["token_ids"] for out in llm.generate(prompts, params)]
+
+
+def test_greedy_matches_transformers(tiny_model, prompts_of_lengths):
+    prompts = prompts_of_lengths(LENGTHS)
+    llm = LLM(tiny_model.path)
+    assert generated(llm, prompts) == expected(tiny_model, prompts)
+    stats = llm.core.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["running"] == stats["waiting"] == 0
+
+
+def test_prefix_cache_hits_keep_outputs_exact(tiny_model, prompts_of_lengths):
+    shared = prompts_of_lengths([40], seed=5)[0]
+    prompts = [shared + tail for tail in prompts_of_lengths([1, 9, 20], seed=6)]
+    llm = LLM(tiny_model.path)
+    first = generated(llm, prompts[:1])  # caches the shared prefix
+    hits_before = llm.core.block_manager.num_hit_tokens
+    rest = generated(llm, prompts[1:])
+    assert llm.core.block_manager.num_hit_tokens - hits_before >= 2 * 32  # two full blocks per request
+    again = generated(llm, prompts)  # second round: whole prompts (and outputs) hit
+    assert first + rest == again == expected(tiny_model, prompts)
+
+
+def test_chunked_prefill_keeps_outputs_exact(tiny_llama, prompts_of_lengths):
+    prompts = prompts_of_lengths(LENGTHS)
+    llm = LLM(tiny_llama.path, max_num_batched_tokens=8)
+    assert generated(llm, prompts) == expected(tiny_llama, prompts)
+
+
+def test_preemption_keeps_outputs_exact(tiny_llama, prompts_of_lengths):
+    prompts = prompts_of_lengths(LENGTHS)
+    llm = LLM(tiny_llama.path, num_kv_blocks=7)  # 112 slots: one request fits, the batch does not
+    assert generated(llm, prompts) == expected(tiny_llama, prompts)
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.block_manager.num_free_blocks == 7
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_llama, prompts_of_lengths):
+    llm = LLM(tiny_llama.path)
+    prompts = prompts_of_lengths([7, 20, 11], seed=3)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=42)
+    other = SamplingParams(temperature=1.0, max_tokens=24)
+    alone = generated(llm, prompts[:1], seeded)[0]
+    assert generated(llm, prompts[:1], seeded)[0] == alone
+    in_batch = generated(llm, [prompts[1], prompts[0], prompts[2]], [other, seeded, other])
+    assert in_batch[1] == alone
+    assert generated(llm, prompts[:1], SamplingParams(temperature=1.0, max_tokens=16, seed=43))[0] != alone
+
+
+def test_top_k_one_equals_greedy(tiny_llama, prompts_of_lengths):
+    llm = LLM(tiny_llama.path)
+    prompts = prompts_of_lengths([9, 21], seed=4)
+    top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=NEW)
+    assert generated(llm, prompts, top1) == generated(llm, prompts)
+
+
+def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
+    prompt = prompts_of_lengths([9], seed=8)[0]
+    reference = tiny_llama.greedy(prompt, NEW)
+    llm = LLM(tiny_llama.path, max_model_len=len(prompt) + 5)
+    stop = reference[2]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
+    assert out["token_ids"] == reference[:reference.index(stop) + 1]
+    capped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None))[0]
+    assert capped["token_ids"] == reference[:5]  # max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([prompt + [1] * 5], GREEDY)
+
+
+@torch.inference_mode()
+def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
+    """The inputs a CUDA graph replays: dummy rows up to the captured size change no output and no cache."""
+    llm = LLM(tiny_llama.path)
+    core, runner = llm.core, llm.core.runner
+    for i, prompt in enumerate(prompts_of_lengths([5, 18, 9])):
+        core.scheduler.add(core.make_sequence(i, prompt, GREEDY))
+    core.step()
+    seqs, counts = core.scheduler.schedule()
+    assert counts == [1, 1, 1]
+    caches = [layer.self_attn.k_cache for layer in runner.model.model.layers]
+    before = [cache.clone() for cache in caches]
+    outputs = []
+    for pad_to in (None, 8):
+        for cache, saved in zip(caches, before):
+            cache.copy_(saved)
+        step = runner.prepare(seqs, counts, pad_to=pad_to)
+        assert step.meta.is_decode and len(step.input_ids) == (pad_to or 3)
+        outputs.append(runner.model(step.input_ids, step.positions, step.meta)[:3])
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5)  # batch size may change matmul rounding only
+    written = step.meta.slot_mapping[:3]
+    assert step.meta.slot_mapping[3:].eq(-1).all()
+    for cache, saved in zip(caches, before):  # the padded step wrote its three real slots and nothing else
+        untouched = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+        untouched[written] = False
+        assert torch.equal(cache.flatten(0, 1)[untouched], saved.flatten(0, 1)[untouched])
+        assert not torch.equal(cache.flatten(0, 1)[written], saved.flatten(0, 1)[written])

@@ -1,0 +1,120 @@
+"""OpenAI chat request -> prompt tokens and sampling parameters, and every way a request can be wrong."""
+
+import copy
+import json
+
+import pytest
+
+from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_tokenizer):
+    return ChatModel(smollm2_tokenizer, MAX_MODEL_LEN, (smollm2_tokenizer.eos_token_id,), {})
+
+
+def user(text):
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+def expected_prompt(tokenizer, messages, **kwargs):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_is_the_chat_template_with_a_generation_prompt(model):
+    request = parse_chat_request(user("What is the capital of France?"), model)
+    text = model.tokenizer.decode(request.prompt_token_ids)
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_content_parts_nil_content_and_missing_role(model):
+    parts = parse_chat_request({"messages": [{"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                             {"role": "assistant", "content": None}]}, model)
+    assert parts.prompt_token_ids == expected_prompt(
+        model.tokenizer, [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}])
+
+
+def test_add_generation_prompt_false(model):
+    request = parse_chat_request({**user("hi"), "add_generation_prompt": False}, model)
+    assert model.tokenizer.decode(request.prompt_token_ids).endswith("<|im_start|>user\nhi<|im_end|>\n")
+
+
+def test_chat_template_kwargs_reach_the_template(model):
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.chat_template = "{{ 'deep ' if enable_thinking else 'quick ' }}{{ messages[0]['content'] }}"
+    thinking = ChatModel(tokenizer, MAX_MODEL_LEN, (), {})
+    for flag, word in ((True, "deep"), (False, "quick")):
+        request = parse_chat_request({**user("hi"), "chat_template_kwargs": {"enable_thinking": flag}}, thinking)
+        assert tokenizer.decode(request.prompt_token_ids) == f"{word} hi"
+
+
+def test_defaults_like_vllm(model):
+    request = parse_chat_request(user("hi"), model)
+    params = request.params
+    assert params.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, -1)
+    assert params.stop_token_ids == (model.tokenizer.eos_token_id,)
+    assert request.stop == ()
+
+
+def test_sampling_fields_pass_through(model):
+    request = parse_chat_request({**user("hi"), "temperature": 0, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "seed": 3,
+                                  "presence_penalty": 1, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                                  "max_completion_tokens": 9, "max_tokens": 20, "stop": "x", "n": 1}, model)
+    params = request.params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0, 0.5, 7, 0.1, 3)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (1, -1, 1.2)
+    assert params.max_tokens == 9, "max_completion_tokens wins over the deprecated max_tokens"
+    assert request.stop == ("x",)
+
+
+def test_ignore_eos_drops_the_stop_tokens(model):
+    params = parse_chat_request({**user("hi"), "ignore_eos": True}, model).params
+    assert params.ignore_eos and params.stop_token_ids == ()
+
+
+def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 10, "do_sample": True}))
+    defaults = sampling_defaults(str(tmp_path))
+    model = ChatModel(smollm2_tokenizer, MAX_MODEL_LEN, (), defaults)
+    params = parse_chat_request(user("hi"), model).params
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.6, 20, 0.95, 10)
+    params = parse_chat_request({**user("hi"), "temperature": 0, "max_tokens": 3}, model).params
+    assert (params.temperature, params.max_tokens) == (0, 3)
+
+
+@pytest.mark.parametrize("data, field", [
+    ("hi", "request data must be a map"),
+    ({}, "messages is required"),
+    ({"messages": "hi"}, "messages must be a list"),
+    ({"messages": []}, "messages must not be empty"),
+    ({"messages": [1]}, r"messages\[0\] must be a map"),
+    ({"messages": [{"role": 3, "content": "x"}]}, r"messages\[0\].role must be a string"),
+    ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\].content must be a string or a list"),
+    ({"messages": [{"content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
+    ({"messages": [{"content": [{"type": "text", "text": 1}]}]}, r"content\[0\].text must be a string"),
+    ({**user("hi"), "temperature": -1}, "temperature must be >= 0, got -1"),
+    ({**user("hi"), "temperature": "hot"}, "temperature"),
+    ({**user("hi"), "top_p": 0}, "top_p"),
+    ({**user("hi"), "top_k": 1.5}, "top_k"),
+    ({**user("hi"), "presence_penalty": 3}, "presence_penalty"),
+    ({**user("hi"), "seed": -1}, "seed"),
+    ({**user("hi"), "ignore_eos": "yes"}, "ignore_eos"),
+    ({**user("hi"), "max_tokens": 0}, "max_tokens must be at least 1"),
+    ({**user("hi"), "max_tokens": True}, "max_tokens must be an integer"),
+    ({**user("hi"), "max_completion_tokens": 1000}, "max_completion_tokens: this model's maximum context length is 128"),
+    ({**user("hi"), "n": 2}, "only n=1 is supported"),
+    ({**user("hi"), "stop": ["a", 1]}, "stop must be"),
+    ({**user("hi"), "stop": [""]}, "stop must be"),
+    ({**user("hi"), "stop": ["x"] * 17}, "at most 16 stop strings"),
+    ({**user("hi"), "chat_template_kwargs": "x"}, "chat_template_kwargs must be a map"),
+    ({**user("hi"), "chat_template_kwargs": {"tokenize": True}}, "the chat template rejected them"),
+    (user("word " * 200), "messages: the prompt is .* tokens.* maximum context length of 128"),
+])
+def test_bad_requests_name_the_problem(model, data, field):
+    with pytest.raises(RequestError, match=field):
+        parse_chat_request(data, model)

@@ -1,0 +1,135 @@
+"""`python -m handler` serving SmolLM2 on CPU behind the mock daemon, driven by the real openai client."""
+
+import asyncio
+import math
+import time
+
+import openai
+import pytest
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish.", "What is 2 + 2?"]
+SMOLLM2_HIDDEN_SIZE = 576
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_service):
+    with openai.OpenAI(base_url=smollm2_service.url, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
+
+
+def complete(client, messages, **kwargs):
+    return client.chat.completions.create(model="smollm2", messages=messages, temperature=0, **kwargs)
+
+
+def stream(client, messages, **kwargs):
+    chunks = list(complete(client, messages, stream=True, **kwargs))
+    return "".join(c.choices[0].delta.content or "" for c in chunks), chunks
+
+
+def test_capital_of_france_streaming_and_not(client):
+    reply = complete(client, CAPITAL, max_tokens=32)
+    text = reply.choices[0].message.content
+    assert "Paris" in text
+    assert reply.choices[0].finish_reason == "stop"
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    streamed, chunks = stream(client, CAPITAL, max_tokens=32)
+    assert streamed == text
+    reasons = [c.choices[0].finish_reason for c in chunks]
+    assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}
+    assert all(c.choices[0].delta.content for c in chunks[:-1]), "no empty chunks before the last"
+
+
+def test_max_tokens_ends_with_length_after_exactly_that_many_tokens(client):
+    reply = complete(client, CAPITAL, max_tokens=5)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stop_string_cuts_the_text_right_before_it(client, streaming):
+    text = complete(client, CAPITAL, max_tokens=32).choices[0].message.content
+    words = text.split()
+    assert len(words) >= 4, f"need a few words of greedy output to pick a stop string from: {text!r}"
+    stop = " ".join(words[len(words) // 2 - 1: len(words) // 2 + 1])  # two words: spans a token boundary
+    if streaming:
+        cut, chunks = stream(client, CAPITAL, max_tokens=32, stop=[stop])
+        finish_reason = chunks[-1].choices[0].finish_reason
+    else:
+        reply = complete(client, CAPITAL, max_tokens=32, stop=stop)
+        cut, finish_reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert cut == text[: text.index(stop)]
+    assert finish_reason == "stop"
+
+
+def test_64_concurrent_streams_match_their_sequential_answers(client, smollm2_service):
+    expected = {p: complete(client, [{"role": "user", "content": p}], max_tokens=12).choices[0].message.content
+                for p in PROMPTS}
+
+    async def one(aclient, prompt):
+        response = await aclient.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in response])
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=smollm2_service.url, api_key="unused", max_retries=0,
+                                      timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)]) for i in range(64)))
+
+    texts = asyncio.run(run_all())
+    assert texts == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(64)]
+
+
+def test_client_disconnect_frees_the_kv_blocks(client, smollm2_service):
+    idle = smollm2_service.call("stats")
+    assert idle["running"] == 0
+    response = client.chat.completions.create(
+            model="smollm2", messages=CAPITAL, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(response)
+    next(chunks), next(chunks)
+    busy = smollm2_service.call("stats")
+    assert busy["running"] == 1 and busy["num_free_blocks"] < idle["num_free_blocks"]
+    response.close()  # the HTTP client goes away: the daemon sends `cancel`, the handler aborts the request
+    deadline = time.monotonic() + 30
+    while (stats := smollm2_service.call("stats"))["num_free_blocks"] != idle["num_free_blocks"]:
+        assert time.monotonic() < deadline, f"blocks not freed after the disconnect: {stats} (idle: {idle})"
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+@pytest.mark.parametrize("request_kwargs, problem", [
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, "maximum context length of 512"),
+    ({"messages": CAPITAL, "temperature": -1}, "temperature must be >= 0"),
+    ({"messages": []}, "messages must not be empty"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": CAPITAL, "max_tokens": 600}, "max_tokens"),
+    ({"messages": CAPITAL, "n": 2}, "only n=1"),
+])
+def test_bad_requests_get_an_error_naming_the_problem_and_the_next_succeeds(client, request_kwargs, problem):
+    with pytest.raises(openai.APIStatusError) as error:
+        client.chat.completions.create(model="smollm2", **{"temperature": 0, **request_kwargs})
+    assert error.value.status_code in (400, 500)
+    assert problem in error.value.message
+    assert "Paris" in complete(client, CAPITAL, max_tokens=16).choices[0].message.content
+
+
+def test_embeddings_have_the_hidden_size_unit_norm_and_are_deterministic(client):
+    texts = ["The capital of France is Paris.", "Cats sleep a lot.", "The capital of France is Paris."]
+    vectors = [d.embedding for d in client.embeddings.create(model="smollm2", input=texts).data]
+    assert [len(v) for v in vectors] == [SMOLLM2_HIDDEN_SIZE] * 3
+    assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4 for v in vectors)
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-5)
+    assert vectors[0] != pytest.approx(vectors[1], abs=1e-2)
+    again = client.embeddings.create(model="smollm2", input=texts[:1]).data[0].embedding
+    assert again == pytest.approx(vectors[0], abs=1e-5)
+
+
+def test_bad_embedding_inputs_are_rejected(client, smollm2_service):
+    with pytest.raises(openai.APIStatusError, match="vocabulary"):
+        client.embeddings.create(model="smollm2", input=[[1, 2, 10**9]])
+    with pytest.raises(openai.APIStatusError, match="more than the model's maximum of 512"):
+        client.embeddings.create(model="smollm2", input=[[1] * 513])
+    assert smollm2_service.call("tokenize", {"input": ["hi"]})["tokens"] == [smollm2_service.call(
+        "tokenize", {"input": ["hi", "there"]})["tokens"][0]]
