@@ -167,7 +167,8 @@ def transformers_parse_once(path: str):
 
 
 def file_hashes(directory: str) -> dict[str, str]:
-    return {name: file_hash(os.path.join(directory, name)) for name in sorted(os.listdir(directory)) if name != MANIFEST}
+    names = sorted(name for name in os.listdir(directory) if name != MANIFEST)
+    return {name: file_hash(os.path.join(directory, name)) for name in names}
 
 
 def file_hash(path: str) -> str:

@@ -23,7 +23,7 @@ from models.gguf_loader import MANIFEST, GgufSource, gguf_model_dir, is_converte
 from models.registry import load_model
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXTS = ["Hello world", "  leading spaces, émojis 🤗 and digits 12345", "a\n\nb\tc", "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = ["Hello world", "  spaces, émojis 🤗 and digits 12345", "a\n\nb\tc", "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> wörld\n\tok?"}]
 TINY_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
@@ -85,7 +85,8 @@ def write_tiny_gguf(path, chat_template: str = TINY_TEMPLATE, with_tokenizer: bo
 
 def transformers_direct(path: str):
     directory, name = os.path.split(path)
-    return AutoConfig.from_pretrained(directory, gguf_file=name), AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    return config, AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 def assert_same_model_files(converted_dir: str, config, tokenizer):
