@@ -114,6 +114,8 @@ class BlockManager:
         admitted seq). Returns False and changes nothing when the free queue cannot cover it."""
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(seq.block_table) - len(cached_prefix)
+        if needed <= 0 and not cached_prefix:  # a decode inside its last block
+            return True
         reclaimed = sum(1 for block in cached_prefix if block.ref_count == 0)  # hits sitting in the free queue
         if needed > len(self.free_queue) - reclaimed:
             return False
@@ -145,13 +147,15 @@ class BlockManager:
         requests can share them. Called after the step that wrote their KV."""
         size = self.block_size
         num_full = seq.num_computed_tokens // size
+        if num_full <= seq.num_committed_blocks:  # no block filled (most decode steps)
+            return
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_committed_blocks, num_full):
             if hashes[i] not in self.cached:  # else an equal block is cached already; keep that one
                 block = self.blocks[seq.block_table[i]]
                 block.hash, block.token_ids = hashes[i], tuple(seq.token_ids[i * size:(i + 1) * size])
                 self.cached[block.hash] = block
-        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+        seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drops seq's references, tail blocks first so they are evicted before the shared prefix.

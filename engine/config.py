@@ -41,6 +41,9 @@ class EngineConfig:
         _check("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
+        _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
+               "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
+               "CUDA_VISIBLE_DEVICES)")
 
     @classmethod
     def from_env(cls, model: str, env=os.environ) -> "EngineConfig":

@@ -24,6 +24,14 @@ class EncoderRunner:
         self.max_model_len = min(config.max_model_len, self.pooling.max_seq_length or self.model.max_positions,
                                  self.model.max_positions)
         self.max_batch_tokens = max(config.max_embedding_batch_tokens, self.max_model_len)
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the GPU kernels' variants (they specialise on the longest sequence's power-of-two tile)
+        now, so the first requests do not wait for it."""
+        for length in sorted({min(2 ** i, self.max_model_len) for i in range(4, 8)}):
+            self.embed([[0] * length])
 
     def truncate(self, tokens: list[int]) -> list[int]:
         """Cut an over-long input to max_model_len, keeping its last token.

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from models.registry import load_model
+from engine.tensor_parallel import load_on_all_ranks
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -16,13 +16,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class LLM:
     def __init__(self, model_path: str, **config_overrides):
         self.config = EngineConfig(model=model_path, **config_overrides)
-        if self.config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.config.tensor_parallel_size} is not supported yet; use 1")
-        loaded = load_model(model_path, self.config.torch_dtype, self.config.torch_device)
-        if loaded.kind != "decoder":
-            raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
-        self.core = EngineCore(self.config, loaded)
+        loaded, self.ranks = load_on_all_ranks(self.config)
+        try:
+            if loaded.kind != "decoder":
+                raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
+            self.core = EngineCore(self.config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.ranks:
+            self.ranks.attach(self.core.runner)
         self.tokenizer = load_tokenizer(loaded.model_dir)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (with one rank there is nothing to stop)."""
+        if self.ranks:
+            self.ranks.shutdown()
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -1,8 +1,10 @@
 """Owns a decoder model and its KV cache; turns a scheduled step into one forward pass and sampled ids.
 
-Step inputs are built in one vectorised numpy pass and reach the device in two copies (one int64, one
-int32 buffer, pinned on CUDA). Pure-decode steps replay a CUDA graph captured at start-up for the next
-batch size up on a ladder; padding rows write to slot -1 and read block 0, so they change nothing.
+Step inputs are written through numpy views into two pinned host buffers allocated once (one int64, one
+int32) and reach the device in one non-blocking copy each, into device buffers that are also the inputs of
+the captured CUDA graphs: a pure-decode step replays the graph of the next batch size up on a ladder with no
+further copies. Padding rows write to slot -1 and read one key, so they change nothing. Each row of the staged
+block table remembers which sequence's table it holds, so a decode step writes only blocks that are new.
 """
 import bisect
 import itertools
@@ -17,6 +19,7 @@ from engine.config import EngineConfig
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from kernels import AttentionMetadata
+from models.parallel_layers import min_over_ranks, tp_rank
 from models.pooling import read_pooling_config, pool
 
 DEFAULT_DECODER_POOLING = "last"
@@ -27,8 +30,46 @@ class StepInputs:
     input_ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
-    logits_indices: Tensor  # rows of the hidden states that sample
+    logits_indices: Tensor | slice  # rows of the hidden states that sample
     sample_rows: list[int]  # which of the step's sequences sample
+
+
+@dataclass
+class StagedStep:
+    """A step staged in the host buffers, described by sizes: with `host` (the staged arrays it reads) it is
+    all a tensor-parallel rank needs to run the step as rank 0 does; it pickles small."""
+    num_tokens: int  # padding included
+    num_rows: int
+    num_logits: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_decode: bool
+    logits_lead: bool  # every token samples: the logits rows are the step's first rows
+    sample_rows: list[int]
+    graph_size: int | None
+    host: tuple[np.ndarray, np.ndarray, np.ndarray]  # staged longs, cu_seqlens|seq_lens, block-table columns in use
+
+
+class StagingBuffer:
+    """A host buffer (pinned on CUDA) and its device twin; on the CPU they are one tensor. The host side is
+    refilled only after the device has taken the previous upload."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=on_cuda)
+        self.device = torch.zeros(size, dtype=dtype, device=device) if on_cuda else self.host
+        self.uploaded = torch.cuda.Event() if on_cuda else None
+        self.array = self.host.numpy()
+
+    def writable(self) -> np.ndarray:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+        return self.array
+
+    def upload(self, size: int) -> None:
+        if self.uploaded is not None:
+            self.device[:size].copy_(self.host[:size], non_blocking=True)
+            self.uploaded.record()
 
 
 class ModelRunner:
@@ -41,6 +82,7 @@ class ModelRunner:
         self.vocab_size = loaded.hf_config.vocab_size
         self.hidden_size = loaded.hf_config.hidden_size
         self.pooling = read_pooling_config(loaded.model_dir, DEFAULT_DECODER_POOLING)
+        self.is_driver = tp_rank() == 0  # stages steps and samples; the other tensor-parallel ranks follow
         self.sampler = Sampler(self.device)
         self.max_model_len = min(config.max_model_len, loaded.hf_config.max_position_embeddings)
         self.can_generate = getattr(self.model, "lm_head", None) is not None  # bare decoders only embed
@@ -48,9 +90,13 @@ class ModelRunner:
         if self.can_generate:
             self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)  # one request fits
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        max_size = config.max_num_seqs
+        self.graph_sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 8), max_size] if s <= max_size})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.can_generate and self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_decode_graphs()
+        if self.can_generate:
+            self._allocate_step_buffers()
+            if self.device.type == "cuda" and not config.enforce_eager:
+                self._capture_decode_graphs()
 
     # ---- KV cache -------------------------------------------------------------------------------
 
@@ -60,6 +106,7 @@ class ModelRunner:
         num_blocks = self.config.num_kv_blocks or (
             self._blocks_fitting_gpu(block_bytes) if self.device.type == "cuda"
             else self._blocks_fitting_cpu(block_bytes))
+        num_blocks = min_over_ranks(num_blocks)
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (a block needs {block_bytes} bytes): raise "
                                "HFENDPOINT_GPU_MEMORY_UTILIZATION / HFENDPOINT_CPU_KV_CACHE_GB or lower "
@@ -94,57 +141,106 @@ class ModelRunner:
         hidden = self._forward_cacheless([[0] * n for n in lengths if n])
         num_rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(num_rows, -1).contiguous())
-        torch.softmax(logits, -1).argmax(-1)
+        if logits is not None:  # tensor-parallel ranks other than 0 get no logits and do not sample
+            torch.softmax(logits, -1).argmax(-1)
         torch.cuda.synchronize(self.device)
 
     # ---- step inputs ----------------------------------------------------------------------------
 
-    def _to_device(self, array: np.ndarray) -> Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _allocate_step_buffers(self) -> None:
+        """int64: input ids, positions, slots (padded steps: one token per row) and logits indices; int32:
+        cu_seqlens and seq_lens, then the block table of max_num_seqs rows at a fixed offset."""
+        max_rows, width = self.config.max_num_seqs, self.max_blocks_per_seq
+        max_tokens = max(self.config.max_num_batched_tokens, max_rows)
+        self.longs = StagingBuffer(3 * max_tokens + max_rows, torch.int64, self.device)
+        self.table_offset = -(-(2 * max_rows + 1) // 16) * 16
+        self.ints = StagingBuffer(self.table_offset + max_rows * width, torch.int32, self.device)
+        self.block_tables = self.ints.array[self.table_offset:].reshape(max_rows, width)
+        self.table_owners: list[list[int] | None] = [None] * max_rows  # the block-table list each row holds
+        self.table_lengths = [0] * max_rows  # how many of its blocks are written
+
+    def _device_inputs(self, num_tokens: int, num_rows: int, num_logits: int) -> tuple[Tensor, ...]:
+        """Device views of a staged step: input ids, positions, slots, logits indices, cu_seqlens, seq_lens and
+        block tables. A captured graph reads those of a padded step of its size, at fixed addresses."""
+        ids, positions, slots, logits = self.longs.device[:3 * num_tokens + num_logits].split(
+            [num_tokens, num_tokens, num_tokens, num_logits])
+        cu_seqlens, seq_lens = self.ints.device[:2 * num_rows + 1].split([num_rows + 1, num_rows])
+        width = self.max_blocks_per_seq
+        tables = self.ints.device[self.table_offset:self.table_offset + num_rows * width].view(num_rows, width)
+        return ids, positions, slots, logits, cu_seqlens, seq_lens, tables
+
+    def _stage_block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """The staged block table with rows 0..len(seqs)-1 brought up to date. A block table only grows by
+        appends (freeing replaces the list), so a row that held this list before writes only its new blocks:
+        a decode step writes nothing or the block it just got. Columns past a row's blocks are stale but
+        always valid block ids, and attention never reads them."""
+        owners, lengths, tables = self.table_owners, self.table_lengths, self.block_tables
+        for row, seq in enumerate(seqs):
+            blocks = seq.block_table
+            start = lengths[row] if owners[row] is blocks else 0
+            if start < len(blocks):
+                tables[row, start:len(blocks)] = blocks[start:]
+                owners[row], lengths[row] = blocks, len(blocks)
+        return tables
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None) -> StepInputs:
-        """Packs the step's new tokens; pad_to adds dummy decode rows up to a captured graph's batch size."""
-        num_seqs = len(seqs)
+        """Stages the step's new tokens and uploads them; pad_to adds dummy decode rows (token 0 at position 0,
+        no cache write, one key read) up to a captured graph's batch size."""
+        return self._upload(self._stage(seqs, num_tokens, pad_to))
+
+    def _stage(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None) -> StagedStep:
+        num_seqs, num_rows = len(seqs), pad_to or len(seqs)
+        longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
-        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-        cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu_seqlens[1:])
-        total = int(cu_seqlens[-1])
-        input_ids = np.fromiter(itertools.chain.from_iterable(
+        starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
+        seq_lens = starts + counts
+        cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu_seqlens[1:num_seqs + 1])
+        total = int(cu_seqlens[num_seqs])
+        cu_seqlens[num_seqs + 1:] = total + np.arange(1, num_rows - num_seqs + 1)
+        size = total + num_rows - num_seqs  # tokens in the step, padding included
+        input_ids, positions, slot_mapping = longs[:size], longs[size:2 * size], longs[2 * size:3 * size]
+        input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
             seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), num_tokens)),
             dtype=np.int64, count=total)
-        positions = np.arange(total) - np.repeat(cu_seqlens[:-1] - starts, counts)
-        seq_lens = starts + counts
-        max_seqlen_k = self.max_model_len if pad_to else int(seq_lens.max())  # a graph serves any length
-        width = -(-max_seqlen_k // self.block_size)
-        block_tables = np.full((pad_to or num_seqs, width), -1, dtype=np.int64)
-        for row, seq in enumerate(seqs):
-            block_tables[row, :len(seq.block_table)] = seq.block_table
+        positions[:total] = np.arange(total) - np.repeat(cu_seqlens[:num_seqs] - starts, counts)
         rows = np.repeat(np.arange(num_seqs), counts)
-        slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        samples = seq_lens == np.array([len(seq) for seq in seqs])
-        logits_indices = cu_seqlens[1:][samples] - 1
-        if pad_to:  # dummy rows: token 0 at position 0, no cache write, one key read from block 0
-            pad = pad_to - num_seqs
-            input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
-            slot_mapping = np.pad(slot_mapping, (0, pad), constant_values=-1)
-            seq_lens = np.pad(seq_lens, (0, pad), constant_values=1)
-            cu_seqlens = np.arange(pad_to + 1)
-            block_tables[num_seqs:, 0] = 0
-        longs = self._to_device(np.concatenate([input_ids, positions, slot_mapping, logits_indices]))
-        ints = self._to_device(np.concatenate([cu_seqlens, seq_lens, block_tables.ravel()]).astype(np.int32))
-        n_tok, n_rows = len(input_ids), len(seq_lens)
-        input_ids, positions, slot_mapping, logits_indices = longs.split([n_tok, n_tok, n_tok, len(logits_indices)])
-        cu_seqlens, seq_lens, block_tables = ints.split([n_rows + 1, n_rows, block_tables.size])
+        tables = self._stage_block_tables(seqs)
+        slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
+                                + positions[:total] % self.block_size)
+        input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
+        samples = seq_lens == np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        logits_indices = cu_seqlens[1:num_seqs + 1][samples] - 1
+        num_logits = len(logits_indices)
+        longs[3 * size:3 * size + num_logits] = logits_indices
+        ints[:num_rows + 1] = cu_seqlens
+        ints[num_rows + 1:num_rows + 1 + num_seqs] = seq_lens
+        ints[num_rows + 1 + num_seqs:2 * num_rows + 1] = 1
+        columns = -(-int(seq_lens.max(initial=0)) // self.block_size)
+        return StagedStep(
+            size, num_rows, num_logits, max_seqlen_q=max(num_tokens, default=1),
+            max_seqlen_k=self.max_model_len if pad_to else int(seq_lens.max()),  # a graph serves any length
+            is_decode=bool((counts == 1).all()),
+            logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
+            sample_rows=np.flatnonzero(samples).tolist(), graph_size=pad_to,
+            host=(longs[:3 * size + num_logits], ints[:2 * num_rows + 1], tables[:num_rows, :columns]))
+
+    def _upload(self, staged: StagedStep) -> StepInputs:
+        size, num_rows, num_logits = staged.num_tokens, staged.num_rows, staged.num_logits
+        self.longs.upload(3 * size + num_logits)
+        self.ints.upload(self.table_offset + num_rows * self.max_blocks_per_seq)
+        ids, pos, slots, logits, cu, lens, block_tables = self._device_inputs(size, num_rows, num_logits)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
-            block_tables=block_tables.view(n_rows, width), max_seqlen_q=int(counts.max()),
-            max_seqlen_k=max_seqlen_k,
-            is_decode=bool((counts == 1).all()))
-        return StepInputs(input_ids, positions, meta, logits_indices, np.flatnonzero(samples).tolist())
+            slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables,
+            max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, is_decode=staged.is_decode)
+        return StepInputs(ids, pos, meta, slice(0, num_logits) if staged.logits_lead else logits, staged.sample_rows)
+
+    def _restage(self, staged: StagedStep) -> None:
+        """Writes rank 0's staged arrays into this rank's host buffers."""
+        longs, cu_and_lens, columns = staged.host
+        self.longs.writable()[:len(longs)] = longs
+        self.ints.writable()[:len(cu_and_lens)] = cu_and_lens
+        self.block_tables[:columns.shape[0], :columns.shape[1]] = columns
 
     # ---- running steps --------------------------------------------------------------------------
 
@@ -152,19 +248,34 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
         """Computes the step; returns the sampled token of each sequence (None: a prompt chunk that does
         not reach the end of its tokens)."""
-        graph_size = self._graph_size(num_tokens)
-        step = self.prepare(seqs, num_tokens, pad_to=graph_size)
-        if graph_size:
-            hidden = self._replay(graph_size, step)
-        else:
-            hidden = self.model(step.input_ids, step.positions, step.meta)
+        staged = self._stage(seqs, num_tokens, pad_to=self._graph_size(num_tokens))
+        logits = self.collective("execute", staged)
         sampled = [None] * len(seqs)
-        if step.sample_rows:
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            token_ids = self.sampler(logits, [seqs[i] for i in step.sample_rows]).tolist()
-            for row, token_id in zip(step.sample_rows, token_ids):
+        if staged.sample_rows:
+            token_ids = self.sampler(logits, [seqs[i] for i in staged.sample_rows]).tolist()  # the step's one sync
+            for row, token_id in zip(staged.sample_rows, token_ids):
                 sampled[row] = token_id
         return sampled
+
+    @torch.inference_mode()
+    def execute(self, staged: StagedStep) -> Tensor | None:
+        """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay),
+        and the logits of the rows that sample (on rank 0; None elsewhere and when no row samples)."""
+        if not self.is_driver:
+            self._restage(staged)
+        step = self._upload(staged)
+        if staged.graph_size:
+            self.graphs[staged.graph_size].replay()
+            hidden = self.graph_hidden[:staged.graph_size]
+        else:
+            hidden = self.model(step.input_ids, step.positions, step.meta)
+        return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+
+    def collective(self, method: str, *args):
+        """Calls a method that every tensor-parallel rank must run in step (its forward holds all-reduces)
+        with picklable arguments. With one rank it is a plain call; engine/tensor_parallel.py replaces it on
+        rank 0 with one that first sends (method, args) to the other ranks."""
+        return getattr(self, method)(*args)
 
     def _graph_size(self, num_tokens: list[int]) -> int | None:
         """The captured batch size to replay for this step; None runs it eagerly."""
@@ -173,47 +284,30 @@ class ModelRunner:
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(num_tokens))]
 
     def _capture_decode_graphs(self) -> None:
-        max_size = self.config.max_num_seqs
-        self.graph_sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 8), max_size] if s <= max_size})
-        self.static = {
-            "input_ids": torch.zeros(max_size, dtype=torch.int64, device=self.device),
-            "positions": torch.zeros(max_size, dtype=torch.int64, device=self.device),
-            "slot_mapping": torch.full((max_size,), -1, dtype=torch.int64, device=self.device),
-            "cu_seqlens_q": torch.arange(max_size + 1, dtype=torch.int32, device=self.device),
-            "seq_lens": torch.ones(max_size, dtype=torch.int32, device=self.device),
-            "block_tables": torch.zeros(max_size, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
-            "hidden": torch.zeros(max_size, self.hidden_size, dtype=self.dtype, device=self.device),
-        }
+        """One graph per ladder size, largest first so the smaller ones reuse its memory pool; each is
+        warmed up and captured on a step of dummy rows only."""
+        self.graph_hidden = torch.zeros(self.graph_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
         pool_handle = None
         with torch.inference_mode():
             for size in reversed(self.graph_sizes):
+                step = self.prepare([], [], pad_to=size)
                 graph = torch.cuda.CUDAGraph()
-                self._graph_body(size)  # warm-up: compiles kernels, settles allocations
+                self.graph_hidden[:size] = self.model(step.input_ids, step.positions, step.meta)  # warm-up
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(graph, pool_handle):
-                    self._graph_body(size)
+                    self.graph_hidden[:size] = self.model(step.input_ids, step.positions, step.meta)
                 pool_handle = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def _graph_body(self, size: int) -> None:
-        s = self.static
-        meta = AttentionMetadata(
-            slot_mapping=s["slot_mapping"][:size], cu_seqlens_q=s["cu_seqlens_q"][:size + 1],
-            seq_lens=s["seq_lens"][:size], block_tables=s["block_tables"][:size],
-            max_seqlen_q=1, max_seqlen_k=self.max_model_len, is_decode=True)
-        s["hidden"][:size] = self.model(s["input_ids"][:size], s["positions"][:size], meta)
-
-    def _replay(self, size: int, step: StepInputs) -> Tensor:
-        s, meta = self.static, step.meta
-        for name, value in (("input_ids", step.input_ids), ("positions", step.positions),
-                            ("slot_mapping", meta.slot_mapping), ("seq_lens", meta.seq_lens),
-                            ("block_tables", meta.block_tables)):
-            s[name][:size].copy_(value, non_blocking=True)
-        self.graphs[size].replay()
-        return s["hidden"][:size]
-
     # ---- embeddings -----------------------------------------------------------------------------
+
+    def _to_device(self, array: np.ndarray) -> Tensor:
+        """For embedding batches, whose sizes have no bound to stage for."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _forward_cacheless(self, token_lists: list[list[int]]) -> Tensor:
         """Hidden states [T, H] of packed sequences, attending only within each (the KV cache untouched)."""
@@ -247,7 +341,7 @@ class ModelRunner:
             batch = token_lists[start:end]
             cu_seqlens = torch.tensor([0, *itertools.accumulate(map(len, batch))], dtype=torch.int32,
                                       device=self.device)
-            vectors = pool(self._forward_cacheless(batch), cu_seqlens, self.pooling.mode)
+            vectors = pool(self.collective("_forward_cacheless", batch), cu_seqlens, self.pooling.mode)
             out[start:end] = (F.normalize(vectors, dim=-1) if self.pooling.normalize else vectors).cpu()
             start = end
         return out

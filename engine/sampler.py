@@ -13,6 +13,24 @@ from torch import Tensor
 from engine.sequence import Sequence
 
 
+class SamplingPlan:
+    """What one batch of requests asks of the sampler, with its per-row parameters already on the device."""
+
+    def __init__(self, seqs: list[Sequence], device: torch.device):
+        params = [seq.params for seq in seqs]
+        self.penalised = any(p.penalised for p in params)
+        self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
+        self.uses_min_p = any(p.min_p > 0 for p in params)
+        self.uses_top_k_top_p = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        self.seeded_rows = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
+        if not self.all_greedy:
+            values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
+                               for p in params], dtype=np.float32).T
+            self.temperature, self.top_p, self.min_p, self.top_k, greedy = torch.from_numpy(values).to(device)
+            self.greedy = greedy.bool()
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None):
         self.device = device
@@ -21,36 +39,42 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.planned_seqs: list[Sequence] = []
+        self.plan: SamplingPlan | None = None
 
     @torch.inference_mode()
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits [N, V] float32, one row per request -> int64 [N] token ids, on the device."""
-        params = [seq.params for seq in seqs]
-        if any(p.penalised for p in params):
+        plan = self.plan_for(seqs)
+        if plan.penalised:
             logits = self.apply_penalties(logits, seqs)
-        if all(p.greedy for p in params):
+        if plan.all_greedy:
             return logits.argmax(-1)
-        values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
-                           for p in params], dtype=np.float32).T
-        temperature, top_p, min_p, top_k, greedy = torch.from_numpy(values).to(self.device, non_blocking=True)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        if any(p.min_p > 0 for p in params):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            probs = top_k_top_p(probs, top_k, top_p)
-        noise = self.exponential_noise(probs, seqs)
+        probs = torch.softmax(logits / plan.temperature[:, None], dim=-1)
+        if plan.uses_min_p:
+            probs = probs.masked_fill(probs < plan.min_p[:, None] * probs.amax(-1, keepdim=True), 0)
+        if plan.uses_top_k_top_p:
+            probs = top_k_top_p(probs, plan.top_k, plan.top_p)
+        noise = self.exponential_noise(probs, seqs, plan.seeded_rows)
         sampled = (probs / noise).argmax(-1)
-        if any(p.greedy for p in params):
-            sampled = torch.where(greedy.bool(), logits.argmax(-1), sampled)
+        if plan.any_greedy:
+            sampled = torch.where(plan.greedy, logits.argmax(-1), sampled)
         return sampled
 
-    def exponential_noise(self, probs: Tensor, seqs: list[Sequence]) -> Tensor:
+    def plan_for(self, seqs: list[Sequence]) -> SamplingPlan:
+        """The batch's plan, rebuilt only when the batch changes (decode steps mostly repeat the last one)."""
+        if seqs != self.planned_seqs:  # identity per element: a C loop, no Python per request
+            self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.device)
+        return self.plan
+
+    def exponential_noise(self, probs: Tensor, seqs: list[Sequence], seeded_rows: list[int]) -> Tensor:
+        """Exp(1) noise; the rows of seeded requests draw from their own generators."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not seq.params.greedy:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-                noise[row].exponential_(generator=seq.generator)
+        for row in seeded_rows:
+            seq = seqs[row]
+            if seq.generator is None:
+                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+            noise[row].exponential_(generator=seq.generator)
         return noise.clamp_(min=1e-20)  # a zero draw would turn a masked token's 0 / 0 into NaN
 
     def apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:

@@ -34,7 +34,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, n):
                 preempted = True
                 self._preempt(self.running.pop())  # the newest; never one already scheduled (all before i)
@@ -70,12 +70,14 @@ class Scheduler:
 
     def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None]) -> None:
         """Applies a finished step: advances each request, appends sampled tokens, retires finished ones."""
+        finished = False
         for seq, n, token_id in zip(seqs, num_tokens, sampled):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            if token_id is not None:
-                seq.append_token(token_id)
-        self._retire()
+            if token_id is not None and seq.append_token(token_id):
+                finished = True
+        if finished:
+            self._retire()
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """Finishes requests whose step raised; their partially written blocks are never committed."""

@@ -56,13 +56,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Adds a sampled token and finishes the request on a stop token or at its length limit."""
+    def append_token(self, token_id: int) -> bool:
+        """Adds a sampled token; finishes the request on a stop token or at its length limit (returns True)."""
         self.token_ids.append(token_id)
         if token_id in self.stop_token_ids:
             self.finish("stop")
         elif len(self.token_ids) >= self.max_len:
             self.finish("length")
+        else:
+            return False
+        return True
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -14,7 +14,7 @@ from engine.encoder_runner import EncoderRunner
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from models.registry import load_model
+from engine.tensor_parallel import load_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,8 @@ class _EmbedJob:
 
 class Worker:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; use 1")
         self.config = config
-        loaded = load_model(config.model, config.torch_dtype, config.torch_device)
+        loaded, self.ranks = load_on_all_ranks(config)
         self.kind, self.model_dir = loaded.kind, loaded.model_dir
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -57,7 +55,14 @@ class Worker:
             self.core, self.embedder = None, EncoderRunner(config, loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
         else:
-            self.core = EngineCore(config, loaded)
+            try:
+                self.core = EngineCore(config, loaded)
+            except BaseException:
+                if self.ranks:
+                    self.ranks.shutdown()
+                raise
+            if self.ranks:
+                self.ranks.attach(self.core.runner)
             self.embedder = self.core.runner
             self.eos_token_ids, self.max_model_len = self.core.eos_token_ids, self.core.max_model_len
         self._cond = threading.Condition()
@@ -118,11 +123,13 @@ class Worker:
         return self.core.stats()
 
     def shutdown(self) -> None:
-        """Stops the thread; requests still in flight end with "abort"."""
+        """Stops the thread (requests still in flight end with "abort") and the tensor-parallel ranks."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
         self._thread.join()
+        if self.ranks:
+            self.ranks.shutdown()
 
     # ---- the engine thread ----------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 for attention when it is installed (and the block size suits it), else our Triton kernels.
 
 The backend for a device type is chosen once and cached; Triton and flash-attn are imported only when a
-CUDA tensor first arrives, so the CPU path never imports them.
+CUDA tensor first arrives, so the CPU path never imports them. Calls read `tensor.is_cuda` rather than
+`tensor.device.type` (which builds a device object per call): every launch on the eager prefill path pays it.
 """
 
 import functools
@@ -23,6 +24,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "silu_and_mul",
+    "qkv_prologue",
 ]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
@@ -34,7 +36,14 @@ def _backend(device_type: str) -> SimpleNamespace:
         from kernels import reference
 
         return SimpleNamespace(**{name: getattr(reference, name) for name in __all__[1:]})
-    from kernels import triton_activation, triton_attention, triton_kv_cache, triton_norm, triton_rotary
+    from kernels import (
+        triton_activation,
+        triton_attention,
+        triton_kv_cache,
+        triton_norm,
+        triton_prologue,
+        triton_rotary,
+    )
 
     backend = SimpleNamespace(
         store_kv_cache=triton_kv_cache.store_kv_cache,
@@ -44,12 +53,17 @@ def _backend(device_type: str) -> SimpleNamespace:
         add_rms_norm=triton_norm.add_rms_norm,
         apply_rotary=triton_rotary.apply_rotary,
         silu_and_mul=triton_activation.silu_and_mul,
+        qkv_prologue=triton_prologue.qkv_prologue,
     )
     try:
         import flash_attn
     except ImportError:
         return backend
     return _with_flash_attn(backend, flash_attn)
+
+
+def _backend_of(tensor: Tensor) -> SimpleNamespace:
+    return _backend("cuda" if tensor.is_cuda else "cpu")
 
 
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
@@ -81,30 +95,51 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
 
 
 def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    _backend(k.device.type).store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    _backend_of(k).store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    return _backend(q.device.type).paged_attention(q, k_cache, v_cache, meta, scale)
+    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool
 ) -> Tensor:
-    return _backend(q.device.type).varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return _backend_of(q).varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return _backend(x.device.type).rms_norm(x, weight, eps)
+    return _backend_of(x).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return _backend(x.device.type).add_rms_norm(x, residual, weight, eps)
+    return _backend_of(x).add_rms_norm(x, residual, weight, eps)
 
 
 def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
-    return _backend(q.device.type).apply_rotary(q, k, positions, cos_sin_cache)
+    return _backend_of(q).apply_rotary(q, k, positions, cos_sin_cache)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
-    return _backend(x.device.type).silu_and_mul(x)
+    return _backend_of(x).silu_and_mul(x)
+
+
+def qkv_prologue(
+    qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
+    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, eps: float = 1e-6,
+    k_cache: Tensor | None = None, v_cache: Tensor | None = None, slot_mapping: Tensor | None = None,
+    return_kv: bool = True,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Everything between the qkv projection and attention, in one launch on CUDA.
+
+    qkv [T, (n_q + 2 n_kv) D] -> q [T, n_q, D]: per-head RMSNorm of q and k when their weights are given
+    (Qwen3), then NeoX rotary. With k_cache, v_cache and slot_mapping, k and v go straight into the paged
+    cache (slot -1: skipped). return_kv=True also returns k [T, n_kv, D] and v (a view of qkv) for attention
+    without a cache; else (q, None, None).
+    """
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("qkv_prologue needs both q_norm_weight and k_norm_weight, or neither")
+    return _backend_of(qkv).qkv_prologue(
+        qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
+        k_cache, v_cache, slot_mapping, return_kv,
+    )

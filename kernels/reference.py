@@ -102,7 +102,34 @@ def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor)
     return rotate(q), rotate(k)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x weight^T (+ bias)."""
+    return F.linear(x, weight, bias)
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def qkv_prologue(
+    qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
+    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, eps: float = 1e-6,
+    k_cache: Tensor | None = None, v_cache: Tensor | None = None, slot_mapping: Tensor | None = None,
+    return_kv: bool = True,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The attention prologue as its separate steps: split qkv, per-head RMSNorm of q and k (when weights are
+    given), rotary, and the KV-cache store (when a cache and slot_mapping are given)."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    if k_cache is not None and slot_mapping is not None:
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return (q, k, v) if return_kv else (q, None, None)

@@ -20,7 +20,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
     inter = x.shape[-1] // 2
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
@@ -28,4 +28,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4)
-    return out.view(*x.shape[:-1], inter)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)

@@ -1,4 +1,6 @@
 """Triton RMSNorm, alone and fused with the residual add; one program per row, float32 accumulation."""
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,29 +27,39 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _block_and_warps(hidden: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(hidden)
+    return block, min(max(block // 256, 1), 16)
+
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """t as [rows, hidden] with a contiguous last dimension; 2-D inputs (the model's case) as they are."""
+    if t.dim() != 2:
+        t = t.reshape(-1, hidden)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _launch(x, residual, weight, eps):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"norm weight has shape {tuple(weight.shape)}, expected ({hidden},)")
-    x2 = x.reshape(-1, hidden)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, hidden)
     out = torch.empty_like(x2)
     if residual is not None:
-        r2 = residual.reshape(-1, hidden)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+        r2 = _rows(residual, hidden)
         new_residual = torch.empty_like(x2)
     else:
         r2 = new_residual = x2
     if x2.shape[0]:
-        block = triton.next_power_of_2(hidden)
+        block, num_warps = _block_and_warps(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, new_residual,
             x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0), eps,
-            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 256, 1), 16),
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
         )
+    if x.dim() == 2:
+        return out, new_residual
     return out.view(x.shape), new_residual.view(x.shape)
 
 

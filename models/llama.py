@@ -2,63 +2,36 @@
 
 One class serves all three; the differences are read from the transformers config. Q/K/V and gate/up are
 fused into single projections (the checkpoint's separate tensors are copied into slices at load time), so a
-layer costs few kernel launches. forward() has no host syncs and no branches on tensor values, so the engine
+layer costs few kernel launches. The projections are models/parallel_layers.py's: under tensor parallelism
+each rank holds 1/N of the heads and of the MLP's intermediate features; with one rank they are plain layers. forward() has no host syncs and no branches on tensor values, so the engine
 can capture it in a CUDA graph.
 """
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import (
     AttentionMetadata,
     add_rms_norm,
-    apply_rotary,
     paged_attention,
+    qkv_prologue,
     rms_norm,
     silu_and_mul,
-    store_kv_cache,
     varlen_attention,
+)
+from models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tp_size,
 )
 
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
 QK_NORM_MODEL_TYPES = ("qwen3",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). A class of its own so that tensor-parallel variants can replace it."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input in a single matmul (q|k|v, gate|up); the checkpoint stores them apart."""
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-
-    def shard(self, param: Tensor, index: int) -> Tensor:
-        """The rows of `param` (weight or bias) that hold projection number `index`."""
-        return param.data.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index])
-
-
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -122,23 +95,20 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return apply_rotary(q, k, positions, self.cos_sin_cache)
-
 
 class Attention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
         qkv_bias = bias or config.model_type in QKV_BIAS_MODEL_TYPES
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias)
+        self.split_sizes = self.qkv_proj.output_sizes  # this rank's heads
+        self.num_heads, self.num_kv_heads = (size // self.head_dim for size in self.split_sizes[:2])
         has_qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
@@ -147,22 +117,18 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
 
     def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(q, k, positions)
-        if self.k_cache is not None and meta.slot_mapping is not None:
-            store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.k_cache is not None and meta.block_tables is not None:
+        """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection."""
+        paged = self.k_cache is not None and meta.block_tables is not None
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        q, k, v = qkv_prologue(
+            self.qkv_proj(x), positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads, *norms,
+            k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping, return_kv=not paged,
+        )
+        if paged:
             out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         else:
             out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -171,8 +137,8 @@ class MLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: 'silu')")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -203,7 +169,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -236,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
         check_supported(config)
         self.config = config
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads // tp_size()  # this rank's
         self.head_dim = head_dim_of(config)
         self.model = LlamaModel(config)
         self.tie_word_embeddings = with_lm_head and bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size) if with_lm_head else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if with_lm_head else None
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -248,11 +214,13 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, H] after the final norm, for the step's tokens packed as meta describes."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Float32 logits [N, V] for the hidden states of the N tokens that sample."""
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """Float32 logits [N, V] for the hidden states of the N tokens that sample (None on tensor-parallel
+        ranks other than 0: only rank 0 samples)."""
         if self.lm_head is None:
             raise ValueError("this checkpoint has no LM head (a bare decoder); it can embed but not generate")
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -273,3 +241,13 @@ def check_supported(config) -> None:
     """Refuse configs this module would compute wrongly (rope types and activations are checked where used)."""
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    check_tensor_parallel(config, tp_size())
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Each of `size` ranks must get a whole number of query heads, KV heads and MLP features."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}: pick a "
+                             f"tensor-parallel size that divides {name}")

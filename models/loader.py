@@ -1,6 +1,8 @@
 """Weights into a decoder: checkpoint tensors (transformers names) copied into our fused parameters.
 
 Tensors are streamed one at a time (safetensors.safe_open), so loading never holds a whole file in memory.
+Each parameter's weight_loader (models/parallel_layers.py) copies its rank's part: for safetensors it gets a
+lazy slice, so a tensor-parallel rank reads only the rows it keeps.
 """
 
 import glob
@@ -11,6 +13,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
+
+from models.parallel_layers import default_weight_loader
 
 # Checkpoint tensors that are buffers or duplicates, not parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,15 +33,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, Tensor]]:
+def iterate_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) pairs; lazy=True yields safetensors slices instead, read when indexed (while the
+    iteration has not moved on)."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def load_safetensors(model: nn.Module, model_dir: str) -> None:
-    load_weights(model, iterate_safetensors(model_dir), source=model_dir)
+    load_weights(model, iterate_safetensors(model_dir, lazy=True), source=model_dir)
 
 
 def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None] | None:
@@ -66,7 +72,8 @@ def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str) -> None:
-    """Copy (transformers name, tensor) pairs into the model; every parameter must be filled exactly."""
+    """Copy (transformers name, tensor or safetensors slice) pairs into the model; every parameter must be
+    filled exactly."""
     params = dict(model.named_parameters())
     missing = _expected(model, params)
     unexpected = []
@@ -79,13 +86,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source
             unexpected.append(name)
             continue
         param = params[ours]
-        destination = param.data if index is None else model.get_submodule(ours.rpartition(".")[0]).shard(param, index)
-        if destination.shape != tensor.shape:
-            raise ValueError(
-                f"{source}: weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{tuple(destination.shape)}; the checkpoint does not match its config.json"
-            )
-        destination.copy_(tensor)
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            weight_loader(param, tensor) if index is None else weight_loader(param, tensor, index)
+        except ValueError as exc:
+            raise ValueError(f"{source}: weight {name!r} {exc}; the checkpoint does not match its config.json") from None
         missing.discard(target)
     if unexpected:
         raise ValueError(f"{source}: unexpected weights {sorted(unexpected)[:10]} ({len(unexpected)} in all)")

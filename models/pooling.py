@@ -76,6 +76,10 @@ def read_pooling_config(model_dir: str, default_mode: str) -> PoolingConfig:
     if modules is None:
         return PoolingConfig(default_mode, normalize=True, max_seq_length=max_seq_length)
     classes = {_module_class(entry): entry for entry in modules}
+    unsupported = sorted(set(classes) - {"Transformer", "Pooling", "Normalize"})
+    if unsupported:
+        raise ValueError(f"{model_dir}/modules.json lists sentence-transformers modules we do not implement: "
+                         f"{', '.join(unsupported)} (supported: Transformer, Pooling, Normalize)")
     pooling = classes.get("Pooling")
     mode = default_mode
     if pooling is not None:

@@ -1,4 +1,5 @@
 """The BERT encoder path against sentence-transformers (all-MiniLM-L6-v2) and transformers (tiny random models)."""
+import asyncio
 import importlib.util
 import os
 import random
@@ -8,6 +9,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
+from engine import Worker
 from engine.config import EngineConfig
 from engine.encoder_runner import EncoderRunner
 from models import load_model
@@ -192,3 +194,18 @@ def test_missing_weights_are_named(tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"layers\.1\.qkv_proj\.weight"):
         load_bert(str(tmp_path), AutoConfig.from_pretrained(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_worker_batches_concurrent_calls_into_the_same_vectors(tokenizer, runner, texts, our_vectors):
+    token_lists = our_token_ids(tokenizer, runner, texts)
+    worker = Worker(EngineConfig(model=MINILM_DIR, device="cpu", dtype="float32"))
+    try:
+        assert (worker.kind, worker.max_model_len, worker.hidden_size) == ("encoder", 256, 384)
+
+        async def embed_concurrently():
+            calls = [worker.embed(token_lists[i:i + 7]) for i in range(0, len(token_lists), 7)]
+            return [vector for result in await asyncio.gather(*calls) for vector in result]
+        got = torch.tensor(asyncio.run(embed_concurrently()))
+    finally:
+        worker.shutdown()
+    torch.testing.assert_close(got, our_vectors, rtol=1e-5, atol=1e-5)

@@ -94,3 +94,12 @@ def test_pool_matches_per_sequence_reference(dtype):
 def test_pool_rejects_unknown_mode():
     with pytest.raises(ValueError, match="max"):
         pool(torch.zeros(2, 4), torch.tensor([0, 2], dtype=torch.int32), "max")
+
+
+def test_modules_we_do_not_implement_are_refused_by_name(tmp_path):
+    model_dir = write_st_dir(tmp_path, legacy_flags(mean_tokens=True), normalize=True)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense"):
+        read_pooling_config(model_dir, "mean")

@@ -20,7 +20,7 @@ def generated(llm, prompts, params=GREEDY):
 
 def test_greedy_matches_transformers(tiny_model, prompts_of_lengths):
     prompts = prompts_of_lengths(LENGTHS)
-    llm = LLM(tiny_model.path)
+    llm = LLM(tiny_model.path, dtype="float32")
     assert generated(llm, prompts) == expected(tiny_model, prompts)
     stats = llm.core.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["running"] == stats["waiting"] == 0
@@ -29,7 +29,7 @@ def test_greedy_matches_transformers(tiny_model, prompts_of_lengths):
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model, prompts_of_lengths):
     shared = prompts_of_lengths([40], seed=5)[0]
     prompts = [shared + tail for tail in prompts_of_lengths([1, 9, 20], seed=6)]
-    llm = LLM(tiny_model.path)
+    llm = LLM(tiny_model.path, dtype="float32")
     first = generated(llm, prompts[:1])  # caches the shared prefix
     hits_before = llm.core.block_manager.num_hit_tokens
     rest = generated(llm, prompts[1:])
@@ -40,20 +40,20 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_model, prompts_of_lengths):
 
 def test_chunked_prefill_keeps_outputs_exact(tiny_llama, prompts_of_lengths):
     prompts = prompts_of_lengths(LENGTHS)
-    llm = LLM(tiny_llama.path, max_num_batched_tokens=8)
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_batched_tokens=8)
     assert generated(llm, prompts) == expected(tiny_llama, prompts)
 
 
 def test_preemption_keeps_outputs_exact(tiny_llama, prompts_of_lengths):
     prompts = prompts_of_lengths(LENGTHS)
-    llm = LLM(tiny_llama.path, num_kv_blocks=7)  # 112 slots: one request fits, the batch does not
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=7)  # 112 slots: one request fits, the batch does not
     assert generated(llm, prompts) == expected(tiny_llama, prompts)
     assert llm.core.scheduler.num_preemptions > 0
     assert llm.core.block_manager.num_free_blocks == 7
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_llama, prompts_of_lengths):
-    llm = LLM(tiny_llama.path)
+    llm = LLM(tiny_llama.path, dtype="float32")
     prompts = prompts_of_lengths([7, 20, 11], seed=3)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=42)
     other = SamplingParams(temperature=1.0, max_tokens=24)
@@ -65,7 +65,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_llama, prompts_of_len
 
 
 def test_top_k_one_equals_greedy(tiny_llama, prompts_of_lengths):
-    llm = LLM(tiny_llama.path)
+    llm = LLM(tiny_llama.path, dtype="float32")
     prompts = prompts_of_lengths([9, 21], seed=4)
     top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=NEW)
     assert generated(llm, prompts, top1) == generated(llm, prompts)
@@ -74,7 +74,7 @@ def test_top_k_one_equals_greedy(tiny_llama, prompts_of_lengths):
 def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
     prompt = prompts_of_lengths([9], seed=8)[0]
     reference = tiny_llama.greedy(prompt, NEW)
-    llm = LLM(tiny_llama.path, max_model_len=len(prompt) + 5)
+    llm = LLM(tiny_llama.path, dtype="float32", max_model_len=len(prompt) + 5)
     stop = reference[2]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
     assert out["token_ids"] == reference[:reference.index(stop) + 1]
@@ -87,7 +87,7 @@ def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
 @torch.inference_mode()
 def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
     """The inputs a CUDA graph replays: dummy rows up to the captured size change no output and no cache."""
-    llm = LLM(tiny_llama.path)
+    llm = LLM(tiny_llama.path, dtype="float32")
     core, runner = llm.core, llm.core.runner
     for i, prompt in enumerate(prompts_of_lengths([5, 18, 9])):
         core.scheduler.add(core.make_sequence(i, prompt, GREEDY))
@@ -105,9 +105,38 @@ def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
         outputs.append(runner.model(step.input_ids, step.positions, step.meta)[:3])
     assert torch.allclose(outputs[0], outputs[1], atol=1e-5)  # batch size may change matmul rounding only
     written = step.meta.slot_mapping[:3]
-    assert step.meta.slot_mapping[3:].eq(-1).all()
+    assert step.meta.slot_mapping[3:].eq(-1).all() and step.meta.seq_lens[3:].eq(1).all()
+    assert step.meta.cu_seqlens_q.tolist() == list(range(9)) and step.positions[3:].eq(0).all()
+    assert step.logits_indices == slice(0, 3) and step.sample_rows == [0, 1, 2]
     for cache, saved in zip(caches, before):  # the padded step wrote its three real slots and nothing else
         untouched = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool)
         untouched[written] = False
         assert torch.equal(cache.flatten(0, 1)[untouched], saved.flatten(0, 1)[untouched])
         assert not torch.equal(cache.flatten(0, 1)[written], saved.flatten(0, 1)[written])
+
+
+@torch.inference_mode()
+def test_staged_inputs_follow_batch_changes(tiny_llama, prompts_of_lengths):
+    """The staged block table rewrites only what changed: rows that now hold another sequence, or a
+    sequence whose blocks were freed and allocated again, get its whole table. A step of dummy rows only
+    (what graphs are captured on) writes nothing to the cache."""
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_batched_tokens=64)
+    core, runner = llm.core, llm.core.runner
+    seqs = [core.make_sequence(i, prompt, GREEDY) for i, prompt in enumerate(prompts_of_lengths([40, 7, 23]))]
+    for seq in seqs:
+        core.scheduler.add(seq)
+    core.step()  # 40 + 7 + 17 of 23 tokens
+    caches = [layer.self_attn.k_cache.clone() for layer in runner.model.model.layers]
+    for batch in (seqs, seqs[::-1], seqs[1:]):
+        step = runner.prepare(batch, [1] * len(batch), pad_to=4)
+        for row, seq in enumerate(batch):
+            assert step.meta.block_tables[row, :len(seq.block_table)].tolist() == seq.block_table
+            expected = seq.block_table[seq.num_computed_tokens // 16] * 16 + seq.num_computed_tokens % 16
+            assert step.meta.slot_mapping[row] == expected
+    core.block_manager.free(seqs[2])
+    core.block_manager.allocate(seqs[2], 1)  # one block, at the front of the free queue
+    step = runner.prepare(seqs[1:], [1, 1])
+    assert step.meta.block_tables[1, :1].tolist() == seqs[2].block_table and step.meta.seq_lens.tolist() == [8, 1]
+    step = runner.prepare([], [], pad_to=2)
+    runner.model(step.input_ids, step.positions, step.meta)
+    assert all(torch.equal(layer.self_attn.k_cache, saved) for layer, saved in zip(runner.model.model.layers, caches))

@@ -59,3 +59,17 @@ def test_seeded_request_draws_are_independent_of_neighbours():
     assert first[0] == second[1]
     assert Sampler(torch.device("cpu"))(logits[:1], [a1]).item() == Sampler(torch.device("cpu"))(
         logits[:1], [a2]).item()  # both generators advanced identically
+
+
+def test_batch_plan_is_rebuilt_when_the_batch_changes():
+    """The sampler keeps one batch's parameters on the device while the batch repeats; any other batch,
+    even of the same size, gets its own."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    plain, penalised = make([0], temperature=0), make([0], [2], temperature=0, frequency_penalty=2.0)
+    assert sampler(logits, [plain]).tolist() == [2]
+    plan = sampler.plan
+    assert sampler(logits, [plain]).tolist() == [2] and sampler.plan is plan
+    assert sampler(logits, [penalised]).tolist() == [1]  # 3 - 2 * 1 < 2
+    hot = make([0], temperature=1.0, top_k=2, seed=3)
+    assert sampler(logits.expand(2, 3), [penalised, hot]).tolist()[0] == 1 and sampler.plan.seeded_rows == [1]

