@@ -1,7 +1,8 @@
 """Host time of one engine step, on the CPU, with the GPU's part taken away: a fake model returns
 correctly shaped tensors at once and the sampler returns fixed ids, so what is left is the scheduler, the
 block manager, building the step's inputs (the CUDA-graph path, with a no-op replay, unless --eager) and
-applying the step's results. Decode steps of 1, 64 and 256 running sequences with 1,024-token contexts."""
+applying the step's results. Decode steps of 1, 64 and 256 running sequences with 1,024-token contexts;
+--overlap times the overlapped path (each step launches the next before applying its own results)."""
 import argparse
 import statistics
 import time
@@ -12,6 +13,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 VOCAB, HIDDEN = 32000, 64
@@ -40,6 +42,18 @@ class FakeModel(nn.Module):
         return self.logits[:len(hidden)]
 
 
+class FixedSampler(Sampler):
+    """Plans the batch as the real sampler does, then returns fixed ids."""
+
+    def __init__(self, max_rows: int):
+        super().__init__(torch.device("cpu"))
+        self.fixed = torch.full((max_rows,), 7, dtype=torch.int64)
+
+    def __call__(self, logits, seqs):
+        self.plan_for(seqs)
+        return self.fixed[:len(seqs)]
+
+
 class NoopGraph:
     def replay(self):
         pass
@@ -51,22 +65,22 @@ def fake_graphs(runner) -> None:
     runner.graphs = {size: NoopGraph() for size in runner.graph_sizes}
 
 
-def make_core(batch: int, context: int, steps: int, eager: bool) -> EngineCore:
+def make_core(batch: int, context: int, steps: int, eager: bool, overlap: bool) -> EngineCore:
     config = EngineConfig(model="-", device="cpu", dtype="float32", num_kv_blocks=batch * ((context + steps) // 16 + 2))
     loaded = SimpleNamespace(model=FakeModel(config.max_num_batched_tokens, config.max_num_seqs), model_dir="/-",
                              hf_config=SimpleNamespace(vocab_size=VOCAB, hidden_size=HIDDEN, eos_token_id=None,
                                                        max_position_embeddings=40960))
     core = EngineCore(config, loaded)
-    fixed = torch.full((config.max_num_seqs,), 7, dtype=torch.int64)
-    core.runner.sampler = lambda logits, seqs: fixed[:len(seqs)]
+    core.runner.sampler = FixedSampler(config.max_num_seqs)
+    core.overlap = overlap
     if not eager:
         fake_graphs(core.runner)
     return core
 
 
-def timed_steps(batch: int, context: int, steps: int, eager: bool) -> tuple[float, float]:
+def timed_steps(batch: int, context: int, steps: int, eager: bool, overlap: bool) -> tuple[float, float]:
     """Median and mean milliseconds of `steps` decode steps after the prefill and a few warm-up steps."""
-    core = make_core(batch, context, steps, eager)
+    core = make_core(batch, context, steps, eager, overlap)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 64)
     for i in range(batch):
@@ -91,13 +105,15 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--eager", action="store_true", help="time the eager path (no CUDA-graph padding)")
+    ap.add_argument("--overlap", action="store_true", help="time the overlapped path")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"host time per decode step, {'eager' if args.eager else 'graph'} path, {args.context}-token contexts, "
+    print(f"host time per decode step, {'eager' if args.eager else 'graph'} path"
+          f"{', overlapped' if args.overlap else ''}, {args.context}-token contexts, "
           f"{args.steps} steps")
     print(f"{'batch':>6} {'median ms':>10} {'mean ms':>9} {'us/seq':>7}")
     for batch in map(int, args.batches.split(",")):
-        median, mean = timed_steps(batch, args.context, args.steps, args.eager)
+        median, mean = timed_steps(batch, args.context, args.steps, args.eager, args.overlap)
         print(f"{batch:>6} {median:>10.3f} {mean:>9.3f} {mean * 1e3 / batch:>7.1f}", flush=True)
 
 

@@ -27,6 +27,7 @@ class TeacherForcing:
 
 def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     core = llm.core
+    core.overlap = False  # the forcing sampler reads each request's tokens when it samples
     forcing = TeacherForcing(tokens, prompt_len)
     sampler, core.runner.sampler = core.runner.sampler, forcing
     try:

@@ -1,5 +1,7 @@
-"""Where a step's time goes: GPU time of a replayed decode graph against the whole step's wall time (the
-difference is host overhead), and the kernels that dominate decode and a 1,024-token prefill."""
+"""Where a step's time goes: GPU time of a replayed decode graph against the whole step's wall time, with
+the host's work for each step in the GPU's idle time (synchronous steps: the difference is host overhead)
+and overlapped with the previous step's GPU time, and the kernels that dominate decode and a 1,024-token
+prefill."""
 import argparse
 import time
 
@@ -52,8 +54,12 @@ def main():
     for batch in map(int, args.batches.split(",")):
         seqs = run_to_first_token(core, [random_prompt(1024) for _ in range(batch)], max_tokens=400)
         size = runner._graph_size([1] * batch)
-        print(f"\n== decode batch {batch} (graph {size}): step wall {wall_ms(core.step):.3f} ms, "
-              f"graph replay GPU {gpu_ms(runner.graphs[size].replay):.3f} ms")
+        walls = {}
+        for overlap in (False, True):
+            core.overlap = overlap
+            walls[overlap] = wall_ms(core.step)
+        print(f"\n== decode batch {batch} (graph {size}): step wall {walls[False]:.3f} ms synchronous, "
+              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs[size].replay):.3f} ms")
         print(top_kernels(lambda: [core.step() for _ in range(5)], args.rows))
         for seq in seqs:
             core.scheduler.abort(seq)

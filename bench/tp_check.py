@@ -37,6 +37,7 @@ def run_engine(path, prompts, new_tokens, reference, **config) -> tuple[list[lis
     """Greedy outputs, the teacher-forced records along `reference` (or the greedy outputs themselves when
     None), and the number of KV blocks."""
     llm = LLM(path, gpu_memory_utilization=0.5, **config)
+    llm.core.overlap = False  # the forcing sampler reads each request's tokens when it samples
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
     try:
         greedy = [out["token_ids"] for out in llm.generate(prompts, params)]

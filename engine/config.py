@@ -24,6 +24,7 @@ class EngineConfig:
     dtype: str = "auto"                 # HFENDPOINT_DTYPE: auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
+    overlap_steps: bool = False         # HFENDPOINT_OVERLAP_STEPS: launch decode step N+1 before step N's results
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -41,6 +42,7 @@ class EngineConfig:
         _check("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
+        _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
                "CUDA_VISIBLE_DEVICES)")
@@ -87,6 +89,7 @@ ENV_NAMES = {
     "dtype": "HFENDPOINT_DTYPE",
     "device": "HFENDPOINT_DEVICE",
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
+    "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
 }
 
 

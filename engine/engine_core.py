@@ -4,7 +4,7 @@ import os
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -17,6 +17,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.overlap = config.overlap_steps
+        self.in_flight: LaunchedStep | None = None  # launched, not yet finished
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """ValueError saying what is wrong with a prompt the engine cannot serve."""
@@ -37,18 +39,39 @@ class EngineCore:
         return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
 
     def step(self) -> list[tuple[Sequence, int | None]]:
-        """Schedules and computes one step. Returns each scheduled request with its new token (None when
-        it sampled nothing); a step that raises finishes its requests with finish_reason "error"."""
-        seqs, num_tokens = self.scheduler.schedule()
+        """Computes one step. Returns each of its requests with its new token (None when it sampled nothing),
+        but not those that finished while it ran; a step that raises finishes its requests with
+        finish_reason "error".
+
+        With overlap on, a decode step whose continuation is the plain next step (see
+        Scheduler.schedule_ahead) launches that continuation before reading its own sampled ids, which the
+        continuation takes on the device: the host applies step N while the device computes step N+1, and
+        step N+1 is returned by the next call. Rows of requests that step N finished compute one token
+        that is thrown away."""
+        launched, self.in_flight = self.in_flight, None
+        seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
             return []
         try:
-            sampled = self.runner.run(seqs, num_tokens)
+            launched = launched or self.runner.launch(seqs, num_tokens)
+            if self.overlap and launched.continuable:
+                self.in_flight = self._launch_continuation(launched)
+            sampled = self.runner.finish(launched)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
-            self.scheduler.fail(seqs, f"{type(exc).__name__}: {exc}")
-            return [(seq, None) for seq in seqs]
-        self.scheduler.update(seqs, num_tokens, sampled)
-        return list(zip(seqs, sampled))
+            self.in_flight = None
+            failed = [seq for seq in seqs if not seq.is_finished]
+            self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")
+            return [(seq, None) for seq in failed]
+        return self.scheduler.update(seqs, num_tokens, sampled)
+
+    def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """The next step, launched one token ahead of `launched` for each request it did not finish, or
+        None when the scheduler would make another step."""
+        rows = [row for row, seq in enumerate(launched.seqs) if not seq.is_finished]  # aborts, last step's stops
+        seqs = launched.seqs if len(rows) == len(launched.seqs) else [launched.seqs[row] for row in rows]
+        if not seqs or not self.scheduler.schedule_ahead(seqs):
+            return None
+        return self.runner.launch(seqs, [1] * len(seqs), follows=rows)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -5,6 +5,11 @@ int32) and reach the device in one non-blocking copy each, into device buffers t
 the captured CUDA graphs: a pure-decode step replays the graph of the next batch size up on a ladder with no
 further copies. Padding rows write to slot -1 and read one key, so they change nothing. Each row of the staged
 block table remembers which sequence's table it holds, so a decode step writes only blocks that are new.
+
+A step is launched (staged, uploaded, run and sampled, its sampled ids copied towards pinned host memory)
+and finished (its ids read once they have arrived) in two calls, so the engine can launch the next decode
+step before reading this one's ids. Such a continuation stages, in place of its input ids, the rows of the
+previous step's sampled ids that it continues; the device swaps the ids in before the forward (see execute).
 """
 import bisect
 import itertools
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -19,7 +25,7 @@ from engine.config import EngineConfig
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from kernels import AttentionMetadata
-from models.parallel_layers import min_over_ranks, tp_rank
+from models.parallel_layers import min_over_ranks, tp_rank, tp_size
 from models.pooling import read_pooling_config, pool
 
 DEFAULT_DECODER_POOLING = "last"
@@ -47,7 +53,19 @@ class StagedStep:
     logits_lead: bool  # every token samples: the logits rows are the step's first rows
     sample_rows: list[int]
     graph_size: int | None
+    follows: bool  # the staged input ids are rows of the previous step's sampled ids
     host: tuple[np.ndarray, np.ndarray, np.ndarray]  # staged longs, cu_seqlens|seq_lens, block-table columns in use
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way through the device; ModelRunner.finish() returns its sampled ids."""
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sample_rows: list[int]
+    ids: Tensor | None  # the sampled ids: in pinned host memory once `ready` has passed (on the CPU, at once)
+    ready: "torch.cuda.Event | None"
+    continuable: bool  # decode rows that all sample, no penalties: the next step needs nothing from the host
 
 
 class StagingBuffer:
@@ -158,6 +176,10 @@ class ModelRunner:
         self.block_tables = self.ints.array[self.table_offset:].reshape(max_rows, width)
         self.table_owners: list[list[int] | None] = [None] * max_rows  # the block-table list each row holds
         self.table_lengths = [0] * max_rows  # how many of its blocks are written
+        if self.device.type == "cuda":  # two: a step's ids may still be on their way while the next is launched
+            self.host_ids = [(torch.zeros(max_rows, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                             for _ in range(2)]
+            self.num_launched = 0
 
     def _device_inputs(self, num_tokens: int, num_rows: int, num_logits: int) -> tuple[Tensor, ...]:
         """Device views of a staged step: input ids, positions, slots, logits indices, cu_seqlens, seq_lens and
@@ -188,11 +210,16 @@ class ModelRunner:
         no cache write, one key read) up to a captured graph's batch size."""
         return self._upload(self._stage(seqs, num_tokens, pad_to))
 
-    def _stage(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None) -> StagedStep:
+    def _stage(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None,
+               follows: list[int] | None = None) -> StagedStep:
+        """follows: the step continues the step in flight, one token ahead of it, for the sequences in these
+        rows of it (their input ids are its sampled ids, not yet on the host)."""
         num_seqs, num_rows = len(seqs), pad_to or len(seqs)
         longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
         starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
+        if follows is not None:
+            starts += 1
         seq_lens = starts + counts
         cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(counts, out=cu_seqlens[1:num_seqs + 1])
@@ -200,16 +227,20 @@ class ModelRunner:
         cu_seqlens[num_seqs + 1:] = total + np.arange(1, num_rows - num_seqs + 1)
         size = total + num_rows - num_seqs  # tokens in the step, padding included
         input_ids, positions, slot_mapping = longs[:size], longs[size:2 * size], longs[2 * size:3 * size]
-        input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
-            seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), num_tokens)),
-            dtype=np.int64, count=total)
+        if follows is None:
+            input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
+                seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), num_tokens)),
+                dtype=np.int64, count=total)
+        else:
+            input_ids[:total] = follows
         positions[:total] = np.arange(total) - np.repeat(cu_seqlens[:num_seqs] - starts, counts)
         rows = np.repeat(np.arange(num_seqs), counts)
         tables = self._stage_block_tables(seqs)
         slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
                                 + positions[:total] % self.block_size)
         input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
-        samples = seq_lens == np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        samples = (np.ones(num_seqs, dtype=bool) if follows is not None else
+                   seq_lens == np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs))
         logits_indices = cu_seqlens[1:num_seqs + 1][samples] - 1
         num_logits = len(logits_indices)
         longs[3 * size:3 * size + num_logits] = logits_indices
@@ -222,7 +253,7 @@ class ModelRunner:
             max_seqlen_k=self.max_model_len if pad_to else int(seq_lens.max()),  # a graph serves any length
             is_decode=bool((counts == 1).all()),
             logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
-            sample_rows=np.flatnonzero(samples).tolist(), graph_size=pad_to,
+            sample_rows=np.flatnonzero(samples).tolist(), graph_size=pad_to, follows=follows is not None,
             host=(longs[:3 * size + num_logits], ints[:2 * num_rows + 1], tables[:num_rows, :columns]))
 
     def _upload(self, staged: StagedStep) -> StepInputs:
@@ -245,17 +276,41 @@ class ModelRunner:
     # ---- running steps --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
-        """Computes the step; returns the sampled token of each sequence (None: a prompt chunk that does
-        not reach the end of its tokens)."""
-        staged = self._stage(seqs, num_tokens, pad_to=self._graph_size(num_tokens))
+    def launch(self, seqs: list[Sequence], num_tokens: list[int], follows: list[int] | None = None) -> LaunchedStep:
+        """Starts the step on the device without waiting for it. follows (one token per sequence): it
+        continues the last step launched, which computed the sequences in these rows and is still unfinished."""
+        staged = self._stage(seqs, num_tokens, pad_to=self._graph_size(num_tokens), follows=follows)
         logits = self.collective("execute", staged)
-        sampled = [None] * len(seqs)
-        if staged.sample_rows:
-            token_ids = self.sampler(logits, [seqs[i] for i in staged.sample_rows]).tolist()  # the step's one sync
-            for row, token_id in zip(staged.sample_rows, token_ids):
+        if not staged.sample_rows:
+            return LaunchedStep(seqs, num_tokens, [], None, None, continuable=False)
+        sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
+        self.last_sampled = self.sampler(logits, sampling)
+        ids, ready = self._to_host(self.last_sampled)
+        continuable = (staged.is_decode and sampling is seqs and not self.sampler.plan_for(sampling).penalised)
+        return LaunchedStep(seqs, num_tokens, staged.sample_rows, ids, ready, continuable)
+
+    def finish(self, step: LaunchedStep) -> list[int | None]:
+        """The sampled token of each of the step's sequences (None: a prompt chunk that does not reach the
+        end of its tokens), once the device has sent them: the step's one wait."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        sampled = [None] * len(step.seqs)
+        if step.ids is not None:
+            for row, token_id in zip(step.sample_rows, step.ids.tolist()):
                 sampled[row] = token_id
         return sampled
+
+    def _to_host(self, ids: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
+        """Starts copying sampled ids into pinned memory, alternating between two buffers (the other may
+        hold the ids of the step launched before, not read yet); returns the buffer and its ready event."""
+        if self.device.type != "cuda":
+            return ids, None
+        self.num_launched += 1
+        buffer, ready = self.host_ids[self.num_launched % 2]
+        buffer = buffer[:len(ids)]
+        buffer.copy_(ids, non_blocking=True)
+        ready.record()
+        return buffer, ready
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep) -> Tensor | None:
@@ -264,12 +319,22 @@ class ModelRunner:
         if not self.is_driver:
             self._restage(staged)
         step = self._upload(staged)
+        if staged.follows:
+            self._take_sampled_ids(step.input_ids[:len(staged.sample_rows)])
         if staged.graph_size:
             self.graphs[staged.graph_size].replay()
             hidden = self.graph_hidden[:staged.graph_size]
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
         return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+
+    def _take_sampled_ids(self, ids: Tensor) -> None:
+        """A continuation's input ids, staged as rows of the last step's sampled ids, become those ids on the
+        device; rank 0, which sampled them, sends them to the other tensor-parallel ranks."""
+        if self.is_driver:
+            ids.copy_(self.last_sampled[ids])
+        if tp_size() > 1:
+            dist.broadcast(ids, src=0)
 
     def collective(self, method: str, *args):
         """Calls a method that every tensor-parallel rank must run in step (its forward holds all-reduces)

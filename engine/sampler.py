@@ -27,7 +27,7 @@ class SamplingPlan:
         if not self.all_greedy:
             values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
                                for p in params], dtype=np.float32).T
-            self.temperature, self.top_p, self.min_p, self.top_k, greedy = torch.from_numpy(values).to(device)
+            self.temperature, self.top_p, self.min_p, self.top_k, greedy = to_device(values, device)
             self.greedy = greedy.bool()
 
 
@@ -95,6 +95,13 @@ class Sampler:
         logits = logits.clone()
         logits[index] = picked
         return logits
+
+
+def to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """Through pinned memory on CUDA: a copy from pageable memory would first wait for the work queued on
+    the device, stalling the engine when it launches a step ahead of the one running."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:

@@ -68,16 +68,34 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None]) -> None:
-        """Applies a finished step: advances each request, appends sampled tokens, retires finished ones."""
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after the one in flight can be scheduled before that one's tokens are known,
+        and if so allocates it: one more token for each of `seqs`, the requests of the step in flight that
+        are still running (the budget covered them in that step). That is the plain schedule when they are
+        all the running requests, none must be preempted, and no waiting request could be admitted (one
+        that a request finishing now makes room for waits one step longer)."""
+        if seqs != self.running or (self.waiting and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens)):
+            return False
+        return all(self.block_manager.allocate(seq, 2) for seq in seqs)  # the token in flight and the next
+
+    def update(self, seqs: list[Sequence], num_tokens: list[int],
+               sampled: list[int | None]) -> list[tuple[Sequence, int | None]]:
+        """Applies a finished step: advances each request, appends sampled tokens, retires finished ones.
+        Requests that finished while it ran (aborted, or stopped by the step before) take nothing from it.
+        Returns the others with their tokens."""
+        results = []
         finished = False
         for seq, n, token_id in zip(seqs, num_tokens, sampled):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             if token_id is not None and seq.append_token(token_id):
                 finished = True
+            results.append((seq, token_id))
         if finished:
             self._retire()
+        return results
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """Finishes requests whose step raised; their partially written blocks are never committed."""

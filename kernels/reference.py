@@ -102,11 +102,6 @@ def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor)
     return rotate(q), rotate(k)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x weight^T (+ bias)."""
-    return F.linear(x, weight, bias)
-
-
 def silu_and_mul(x: Tensor) -> Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
     gate, up = x.chunk(2, dim=-1)

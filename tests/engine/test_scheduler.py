@@ -76,3 +76,31 @@ def test_abort_frees_blocks():
     run_step(scheduler)
     scheduler.abort(a)
     assert a.finish_reason == "abort" and scheduler.block_manager.num_free_blocks == 64 and not scheduler.has_work()
+
+
+def test_schedule_ahead_only_where_the_plain_schedule_would_continue():
+    """The step after a decode step in flight may be scheduled before its tokens are known only when it is
+    that step again, one token further: all running requests, nobody admitted, nobody preempted."""
+    scheduler = setup(num_blocks=5, budget=16, max_seqs=3)
+    a, b = seq(3, "a"), seq(3, "b", first=10)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)  # both prompts: 4 tokens each, 1 block each
+    seqs, counts = scheduler.schedule()  # the step in flight: token 4 of each
+    assert counts == [1, 1] and not scheduler.schedule_ahead([a])  # b runs too
+    assert scheduler.schedule_ahead(seqs)
+    assert [len(s.block_table) for s in seqs] == [2, 2]  # tokens 4 and 5 need a second block each
+    scheduler.add(seq(3, "c", first=20))
+    assert not scheduler.schedule_ahead(seqs)  # c could be admitted: the plain schedule differs
+    scheduler.max_num_seqs = 2
+    assert scheduler.schedule_ahead(seqs)  # no seat for c before a request finishes
+    scheduler.update(seqs, counts, [7, 7])
+    for _ in range(3):
+        seqs, counts = scheduler.schedule()
+        assert counts == [1, 1] and scheduler.block_manager.num_free_blocks == 1
+        scheduler.update(seqs, counts, [7, 7])
+    seqs, counts = scheduler.schedule()  # in flight: token 7 of each; token 8 needs a third block each
+    assert not scheduler.schedule_ahead(seqs)  # one block left: the plain schedule would preempt b
+    assert scheduler.num_preemptions == 0 and [len(s.block_table) for s in seqs] == [3, 2]
+    scheduler.update(seqs, counts, [7, 7])
+    assert scheduler.schedule() == ([a], [1]) and scheduler.num_preemptions == 1

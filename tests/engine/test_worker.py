@@ -97,14 +97,14 @@ def test_invalid_requests_raise_at_once(make_worker, tiny_llama):
 def test_failing_step_fails_only_its_requests(make_worker, tiny_llama, prompts_of_lengths, monkeypatch):
     worker = make_worker(tiny_llama.path, max_num_seqs=1)  # "good" waits while "bad" runs
     idle = worker.stats()["num_free_blocks"]
-    real_run = worker.core.runner.run
+    real_launch = worker.core.runner.launch
 
-    def run(seqs, num_tokens):
+    def launch(seqs, num_tokens, follows=None):
         if any(seq.request_id == "bad" for seq in seqs):
             raise RuntimeError("injected failure")
-        return real_run(seqs, num_tokens)
+        return real_launch(seqs, num_tokens, follows)
 
-    monkeypatch.setattr(worker.core.runner, "run", run)
+    monkeypatch.setattr(worker.core.runner, "launch", launch)
     bad_prompt, good_prompt = prompts_of_lengths([12, 15])
 
     async def main():
