@@ -22,7 +22,7 @@ import uuid
 from aiohttp import web
 
 from .log import error
-from .worker_connection import CHAT_QUEUE_CHUNKS, WorkerConnection, WorkerError, WorkerGone
+from .worker_connection import CHAT_QUEUE_CHUNKS, UnencodableRequest, WorkerConnection, WorkerError, WorkerGone
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
@@ -56,6 +56,8 @@ async def openai_errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.param, exc.code)
+    except UnencodableRequest as exc:
+        return error_response(400, str(exc))
     except WorkerError as exc:
         return error_response(500, str(exc))
     except WorkerGone as exc:

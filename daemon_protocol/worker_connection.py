@@ -24,6 +24,10 @@ class WorkerGone(Exception):
     """The worker closed its socket or died."""
 
 
+class UnencodableRequest(ValueError):
+    """The request holds a value MessagePack cannot carry (an integer outside 64 bits)."""
+
+
 class WorkerError(Exception):
     """The worker answered a request with an error reply."""
 
@@ -98,9 +102,15 @@ class WorkerConnection:
     def open(self, name: str, data, queue_size: int = 1) -> RequestStream:
         if self.gone:
             raise WorkerGone("the worker is not running")
-        stream = RequestStream(self, next(self._ids), queue_size)
+        request_id = next(self._ids)
+        try:
+            packed = msgpack.packb({"id": request_id, "name": name, "data": data})
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise UnencodableRequest(f"the request holds a value the daemon protocol cannot carry ({exc}); "
+                                     "integers must fit in 64 bits") from None
+        stream = RequestStream(self, request_id, queue_size)
         self._streams[stream.id] = stream
-        self.send({"id": stream.id, "name": name, "data": data})
+        self._writer.write(packed)
         return stream
 
     async def call(self, name: str, data, timeout: float):
