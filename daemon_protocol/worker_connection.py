@@ -54,6 +54,7 @@ class RequestStream:
         if reply is _GONE:
             raise WorkerGone("the worker exited")
         if isinstance(reply.get("error"), str):
+            self.finished = True  # an error reply ends the request: nothing is left to cancel
             raise WorkerError(reply["error"])
         if "data" not in reply or reply["data"] is None:
             raise WorkerError(f"the worker's reply for request {self.id} has neither data nor error")

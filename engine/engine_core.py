@@ -1,5 +1,6 @@
 """The step both front ends drive: the Worker on its thread, LLM on the caller's thread."""
 import json
+import logging
 import os
 
 from engine.block_manager import BlockManager
@@ -7,6 +8,8 @@ from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -58,6 +61,7 @@ class EngineCore:
                 self.in_flight = self._launch_continuation(launched)
             sampled = self.runner.finish(launched)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+            log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             failed = [seq for seq in seqs if not seq.is_finished]
             self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")

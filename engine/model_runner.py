@@ -12,21 +12,22 @@ step before reading this one's ids. Such a continuation stages, in place of its 
 previous step's sampled ids that it continues; the device swaps the ids in before the forward (see execute).
 """
 import bisect
+import functools
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import EngineConfig
+from engine.embedding import embed, pack
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from kernels import AttentionMetadata
 from models.parallel_layers import min_over_ranks, tp_rank, tp_size
-from models.pooling import read_pooling_config, pool
+from models.pooling import read_pooling_config
 
 DEFAULT_DECODER_POOLING = "last"
 
@@ -156,7 +157,7 @@ class ModelRunner:
         then logits and sampling for max_num_seqs rows."""
         num_tokens = self.config.max_num_batched_tokens
         lengths = [self.max_model_len] * (num_tokens // self.max_model_len) + [num_tokens % self.max_model_len]
-        hidden = self._forward_cacheless([[0] * n for n in lengths if n])
+        hidden, _ = self._forward_cacheless([[0] * n for n in lengths if n])
         num_rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(num_rows, -1).contiguous())
         if logits is not None:  # tensor-parallel ranks other than 0 get no logits and do not sample
@@ -367,46 +368,20 @@ class ModelRunner:
 
     # ---- embeddings -----------------------------------------------------------------------------
 
-    def _to_device(self, array: np.ndarray) -> Tensor:
-        """For embedding batches, whose sizes have no bound to stage for."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _forward_cacheless(self, token_lists: list[list[int]]) -> Tensor:
-        """Hidden states [T, H] of packed sequences, attending only within each (the KV cache untouched)."""
-        lengths = np.array([len(tokens) for tokens in token_lists], dtype=np.int64)
-        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu_seqlens[1:])
-        input_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(cu_seqlens[-1]))
-        positions = np.arange(len(input_ids)) - np.repeat(cu_seqlens[:-1], lengths)
-        longs = self._to_device(np.concatenate([input_ids, positions]))
-        ints = self._to_device(np.concatenate([cu_seqlens, lengths]).astype(np.int32))
-        cu, seq_lens = ints.split([len(cu_seqlens), len(lengths)])
-        meta = AttentionMetadata(slot_mapping=None, cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=None,
-                                 max_seqlen_q=int(lengths.max()), max_seqlen_k=int(lengths.max()), is_decode=False)
-        return self.model(*longs.split(len(input_ids)), meta)
+    def _forward_cacheless(self, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Hidden states [T, H] of packed sequences, attending only within each (the KV cache untouched),
+        and their cu_seqlens."""
+        input_ids, positions, cu_seqlens, max_len = pack(token_lists, self.device)
+        seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        meta = AttentionMetadata(slot_mapping=None, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens, block_tables=None,
+                                 max_seqlen_q=max_len, max_seqlen_k=max_len, is_decode=False)
+        return self.model(input_ids, positions, meta), cu_seqlens
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:
-        """Pooled float32 vectors [n, H] on the CPU, normalised if the model's pooling config says so.
-        Inputs longer than max_model_len keep their head and their last token (the end-of-text marker
-        that last-token pooling reads)."""
+        """Pooled float32 vectors [n, H] on the CPU (engine/embedding.py); inputs longer than the model's limit
+        keep their head and their last token (the end-of-text marker that last-token pooling reads)."""
         limit = min(self.max_model_len, self.pooling.max_seq_length or self.max_model_len)
-        token_lists = [tokens if len(tokens) <= limit else tokens[:limit - 1] + tokens[-1:] for tokens in token_lists]
-        out = torch.empty(len(token_lists), self.hidden_size, dtype=torch.float32)
-        budget = max(self.config.max_embedding_batch_tokens, limit)
-        start = 0
-        while start < len(token_lists):
-            end, used = start, 0
-            while end < len(token_lists) and (end == start or used + len(token_lists[end]) <= budget):
-                used += len(token_lists[end])
-                end += 1
-            batch = token_lists[start:end]
-            cu_seqlens = torch.tensor([0, *itertools.accumulate(map(len, batch))], dtype=torch.int32,
-                                      device=self.device)
-            vectors = pool(self.collective("_forward_cacheless", batch), cu_seqlens, self.pooling.mode)
-            out[start:end] = (F.normalize(vectors, dim=-1) if self.pooling.normalize else vectors).cpu()
-            start = end
-        return out
+        forward = functools.partial(self.collective, "_forward_cacheless")
+        return embed(token_lists, forward, self.pooling, limit, self.config.max_embedding_batch_tokens,
+                     self.hidden_size)

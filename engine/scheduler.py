@@ -52,9 +52,11 @@ class Scheduler:
             n = min(len(seq) - num_cached, budget)
             if not self.block_manager.allocate(seq, n, cached_prefix):
                 break
-            self.block_manager.record_lookup(seq, num_cached)
             self.waiting.popleft()
-            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            if seq.num_output_tokens == 0:  # a prompt's own hits; a re-admitted request only recomputes itself
+                self.block_manager.record_lookup(seq, num_cached)
+                seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)

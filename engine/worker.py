@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.embedding import check_inputs
 from engine.encoder_runner import EncoderRunner
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
@@ -100,13 +101,7 @@ class Worker:
 
     async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
         """Pooled, normalised vectors, computed between steps in batches with concurrent calls."""
-        if not token_lists:
-            raise ValueError("no inputs to embed")
-        for i, tokens in enumerate(token_lists):
-            if not tokens:
-                raise ValueError(f"input {i} is empty: every input needs at least one token")
-            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-                raise ValueError(f"input {i} has a token id outside the vocabulary [0, {self.vocab_size})")
+        check_inputs(token_lists, self.vocab_size)
         loop = asyncio.get_running_loop()
         job = _EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
         with self._cond:
@@ -150,6 +145,8 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - a bug in one iteration fails its requests, not the process
                 log.exception("engine iteration failed")
                 self._fail_everything(f"{type(exc).__name__}: {exc}")
+                for job in jobs:  # embedding calls this iteration took and may not have answered
+                    job.loop.call_soon_threadsafe(_set_future, job.future, None, exc)
             if stopping:
                 with self._cond:
                     jobs, self._embed_jobs = self._embed_jobs, []
@@ -230,7 +227,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 
 def _set_future(future: asyncio.Future, result, exc: Exception | None) -> None:
-    if future.cancelled():
+    if future.done():  # cancelled by its caller, or already answered before the iteration failed
         return
     if exc is None:
         future.set_result(result)

@@ -21,18 +21,18 @@ class Detokenizer:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(ids=list(prompt_token_ids[-PRIMING_TOKENS:]), skip_special_tokens=True)
         self._stops = tuple(stop)
+        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))  # proper prefixes
+        self._longest_prefix = max(map(len, self._stop_prefixes), default=0)
         self._pending = ""  # decoded, not released: it may be the start of a stop string
         self.stopped = False  # a stop string was found; the text released ends right before it
 
     def add(self, token_id: int) -> str:
         """The text this token releases. After a stop string completes, `stopped` is set and the
         text up to it has been released; feed no more tokens."""
-        piece = self._stream.step(self._tokenizer, token_id)
-        if not piece:
-            return ""
+        piece = self._stream.step(self._tokenizer, token_id) or ""  # None while a character is incomplete
+        if not self._stops or not piece:
+            return piece
         self._pending += piece
-        if not self._stops:
-            return self._release(len(self._pending))
         hit = self._first_stop()
         if hit is not None:
             self.stopped = True
@@ -55,9 +55,7 @@ class Detokenizer:
 
     def _stop_prefix_length(self) -> int:
         """Length of the longest end of the pending text that some stop string starts with."""
-        longest = min(len(self._pending), max(len(stop) for stop in self._stops) - 1)
-        for length in range(longest, 0, -1):
-            tail = self._pending[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
+        for length in range(min(len(self._pending), self._longest_prefix), 0, -1):
+            if self._pending[-length:] in self._stop_prefixes:
                 return length
         return 0

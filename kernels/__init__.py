@@ -17,12 +17,10 @@ from kernels.attention_metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
-    "store_kv_cache",
     "paged_attention",
     "varlen_attention",
     "rms_norm",
     "add_rms_norm",
-    "apply_rotary",
     "silu_and_mul",
     "qkv_prologue",
 ]
@@ -39,19 +37,15 @@ def _backend(device_type: str) -> SimpleNamespace:
     from kernels import (
         triton_activation,
         triton_attention,
-        triton_kv_cache,
         triton_norm,
         triton_prologue,
-        triton_rotary,
     )
 
     backend = SimpleNamespace(
-        store_kv_cache=triton_kv_cache.store_kv_cache,
         paged_attention=triton_attention.paged_attention,
         varlen_attention=triton_attention.varlen_attention,
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
-        apply_rotary=triton_rotary.apply_rotary,
         silu_and_mul=triton_activation.silu_and_mul,
         qkv_prologue=triton_prologue.qkv_prologue,
     )
@@ -94,10 +88,6 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
     )
 
 
-def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    _backend_of(k).store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-
-
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale)
 
@@ -114,10 +104,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return _backend_of(x).add_rms_norm(x, residual, weight, eps)
-
-
-def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
-    return _backend_of(q).apply_rotary(q, k, positions, cos_sin_cache)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

@@ -118,6 +118,11 @@ def qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError("qkv_prologue needs qkv and cos_sin_cache contiguous in the last dimension")
     store = k_cache is not None and slot_mapping is not None
+    if store and (v_cache is None or v_cache.shape != k_cache.shape
+                  or k_cache.shape[2:] != (num_kv_heads, head_dim)):
+        raise ValueError(f"qkv_prologue needs k_cache and v_cache of shape [blocks, block_size, {num_kv_heads}, "
+                         f"{head_dim}], got {None if k_cache is None else tuple(k_cache.shape)} and "
+                         f"{None if v_cache is None else tuple(v_cache.shape)}")
     if store and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("qkv_prologue needs contiguous k_cache and v_cache")
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)

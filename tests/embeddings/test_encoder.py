@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine import Worker
 from engine.config import EngineConfig
+from engine.embedding import longest_first_batches, truncate
 from engine.encoder_runner import EncoderRunner
 from models import load_model
 from models.bert import BertModel, load_bert
@@ -117,7 +118,7 @@ def test_small_batches_give_the_same_vectors_in_caller_order(tokenizer, runner, 
     shuffled = list(range(len(texts)))
     random.Random(1).shuffle(shuffled)
     small = runner_for(MINILM_DIR, max_embedding_batch_tokens=300)
-    assert len(small.batches(token_lists)) > 10
+    assert len(longest_first_batches(token_lists, small.max_batch_tokens)) > 10
     got = small.embed([token_lists[i] for i in shuffled])
     torch.testing.assert_close(got, our_vectors[shuffled], rtol=1e-5, atol=1e-5)
 
@@ -125,9 +126,10 @@ def test_small_batches_give_the_same_vectors_in_caller_order(tokenizer, runner, 
 def test_batches_pack_longest_first_within_budget(runner):
     token_lists = [[101] + [1000] * n + [102] for n in (5, 300, 40, 1, 254, 90)]
     small = runner_for(MINILM_DIR, max_embedding_batch_tokens=300)
-    groups = small.batches([small.truncate(t) for t in token_lists])
+    truncated = [truncate(t, small.max_model_len) for t in token_lists]
+    groups = longest_first_batches(truncated, small.max_batch_tokens)
     assert [i for group in groups for i in group] == [1, 4, 5, 2, 0, 3]
-    assert all(sum(len(small.truncate(token_lists[i])) for i in group) <= 300 for group in groups)
+    assert all(sum(len(truncated[i]) for i in group) <= 300 for group in groups)
 
 
 @pytest.mark.parametrize("bad, message", [([], "input 1 is empty"), ([101, 30522, 102], "token id 30522"),

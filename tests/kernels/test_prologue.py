@@ -66,12 +66,16 @@ def test_prologue_without_cache_returns_k_and_v(num_q_heads, num_kv_heads, qk_no
 
 
 def test_prologue_stores_and_returns_kv():
-    """A cache and return_kv together: both the cache and the returned k hold the rotated keys."""
+    """A cache and return_kv together: the returned q, k, v and the stored slots equal the reference's."""
     qkv, positions, cos_sin, norms, k_cache, v_cache, slots = _case(6, 4, 2, 64, torch.float32, True)
-    q, k, v = qkv_prologue(qkv, positions, cos_sin, 4, 2, *norms, 1e-6, k_cache, v_cache, slots)
-    keep = slots >= 0
-    assert_close(k_cache.view(-1, 2, 64)[slots[keep]], k[keep], torch.float32)
-    assert_close(v_cache.view(-1, 2, 64)[slots[keep]], v[keep], torch.float32)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    got = qkv_prologue(qkv, positions, cos_sin, 4, 2, *norms, 1e-6, k_cache, v_cache, slots)
+    expected = reference.qkv_prologue(qkv, positions, cos_sin, 4, 2, *norms, 1e-6, ref_k_cache, ref_v_cache, slots)
+    for actual, wanted in zip(got, expected):
+        assert_close(actual, wanted, torch.float32)
+    keep = slots[slots >= 0]
+    assert_close(k_cache.view(-1, 2, 64)[keep], ref_k_cache.view(-1, 2, 64)[keep], torch.float32)
+    assert_close(v_cache.view(-1, 2, 64)[keep], ref_v_cache.view(-1, 2, 64)[keep], torch.float32)
 
 
 def test_prologue_empty_batch():
