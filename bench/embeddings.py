@@ -59,9 +59,7 @@ def ours(model_dir: str, device: str, dtype: torch.dtype, tokenizer, batch_token
 def sentence_transformers(model_dir: str, device: str, dtype: torch.dtype, batch_size: int):
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_dir, device=device)
-    if dtype != torch.float32:
-        model = model.to(dtype)
+    model = SentenceTransformer(model_dir, device=device).to(dtype)  # the checkpoint's dtype may differ
 
     def embed(texts: list[str]) -> torch.Tensor:
         vectors = model.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_tensor=True)

@@ -1,6 +1,6 @@
 """Time to first token for a 1,024-token prompt and time per output token at batch 1, 8, 64 and 256,
 through the engine's own step loop (random Qwen3-0.6B-shaped weights unless --model is given). Decode steps
-overlap the host's work with the previous step's GPU time when --overlap is given."""
+overlap the host's work with the previous step's GPU time unless --no-overlap is given."""
 import argparse
 import statistics
 import time
@@ -58,13 +58,13 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--overlap", action="store_true", help="launch each decode step before the previous one's results")
+    ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     core = llm.core
-    core.overlap = args.overlap
+    core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
     ttft = time_to_first_token(core, args.prompt_len, 10)
     rows = [("TTFT", f"1 x {args.prompt_len}", ttft * 1e3)]

@@ -23,9 +23,11 @@ def main():
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              overlap_steps=not args.no_overlap)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     prompts, params = workload(args.num_seqs)
     total = sum(p.max_tokens for p in params)
