@@ -49,7 +49,7 @@ class FixedSampler(Sampler):
         super().__init__(torch.device("cpu"))
         self.fixed = torch.full((max_rows,), 7, dtype=torch.int64)
 
-    def __call__(self, logits, seqs):
+    def __call__(self, logits, seqs, ahead=0):
         self.plan_for(seqs)
         return self.fixed[:len(seqs)]
 
@@ -61,8 +61,9 @@ class NoopGraph:
 
 def fake_graphs(runner) -> None:
     """Turns on the CUDA-graph path on the CPU: same input preparation, replay does nothing."""
-    runner.graph_hidden = torch.zeros(runner.graph_sizes[-1], HIDDEN)
-    runner.graphs = {size: NoopGraph() for size in runner.graph_sizes}
+    shapes = runner._graph_shapes()
+    runner.graph_hidden = torch.zeros(max(shape.num_tokens for shape in shapes), HIDDEN)
+    runner.graphs = {shape: NoopGraph() for shape in shapes}
 
 
 def make_core(batch: int, context: int, steps: int, eager: bool, overlap: bool) -> EngineCore:

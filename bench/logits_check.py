@@ -14,12 +14,13 @@ MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transform
 
 
 class TeacherForcing:
-    """Stands in for the engine's sampler: records each step's logits and returns the reference token."""
+    """Stands in for the engine's sampler (whose batch plan the runner still reads): records each step's
+    logits and returns the reference token."""
 
-    def __init__(self, tokens: list[int], prompt_len: int):
-        self.tokens, self.prompt_len, self.logits = tokens, prompt_len, []
+    def __init__(self, tokens: list[int], sampler):
+        self.tokens, self.logits, self.plan_for = tokens, [], sampler.plan_for
 
-    def __call__(self, logits, seqs):
+    def __call__(self, logits, seqs, ahead=0):
         seq = seqs[0]
         self.logits.append(logits[0].float())
         return torch.tensor([self.tokens[len(seq)]], device=logits.device)
@@ -28,8 +29,9 @@ class TeacherForcing:
 def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     core = llm.core
     core.overlap = False  # the forcing sampler reads each request's tokens when it samples
-    forcing = TeacherForcing(tokens, prompt_len)
-    sampler, core.runner.sampler = core.runner.sampler, forcing
+    sampler = core.runner.sampler
+    core.runner.sampler = TeacherForcing(tokens, sampler)
+    forcing = core.runner.sampler
     try:
         seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
             temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))

@@ -53,19 +53,21 @@ def main():
     runner = core.runner
     for batch in map(int, args.batches.split(",")):
         seqs = run_to_first_token(core, [random_prompt(1024) for _ in range(batch)], max_tokens=400)
-        size = runner._graph_size([1] * batch)
+        shape = runner._graph_for([1] * batch)
         walls = {}
         for overlap in (False, True):
             core.overlap = overlap
             walls[overlap] = wall_ms(core.step)
-        print(f"\n== decode batch {batch} (graph {size}): step wall {walls[False]:.3f} ms synchronous, "
-              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs[size].replay):.3f} ms")
+        print(f"\n== decode batch {batch} (graph {shape.num_rows}): step wall {walls[False]:.3f} ms synchronous, "
+              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs[shape].replay):.3f} ms")
         print(top_kernels(lambda: [core.step() for _ in range(5)], args.rows))
         for seq in seqs:
             core.scheduler.abort(seq)
     prompt = random_prompt(1024)
     prefill = lambda: run_to_first_token(core, [prompt[:1] + random_prompt(1023)], max_tokens=1)
-    print(f"\n== prefill 1x1024: wall {wall_ms(prefill, 5):.3f} ms")
+    shape = runner._graph_for([1024])
+    print(f"\n== prefill 1x1024 ({f'graph of {shape.num_tokens} tokens' if shape else 'eager'}): "
+          f"wall {wall_ms(prefill, 5):.3f} ms (GPU time: the profile's CUDA total)")
     print(top_kernels(prefill, args.rows))
 
 

@@ -32,6 +32,7 @@ def main():
     prompts, params = workload(args.num_seqs)
     total = sum(p.max_tokens for p in params)
     for _ in range(args.repeat):
+        llm.core.block_manager.reset_prefix_cache()  # each repeat prefills its prompts again
         start = time.perf_counter()
         llm.generate(prompts, params)
         seconds = time.perf_counter() - start

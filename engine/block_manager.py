@@ -88,6 +88,15 @@ class BlockManager:
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (a benchmark that repeats its workload must not hit its last run)."""
+        if self.num_free_blocks != len(self.blocks):
+            raise RuntimeError(f"{len(self.blocks) - self.num_free_blocks} KV blocks are in use: reset the prefix "
+                               "cache only when no request is running")
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of seq's first num_blocks full blocks, each computed once per sequence."""
         size = self.block_size

@@ -2,9 +2,12 @@
 
 Step inputs are written through numpy views into two pinned host buffers allocated once (one int64, one
 int32) and reach the device in one non-blocking copy each, into device buffers that are also the inputs of
-the captured CUDA graphs: a pure-decode step replays the graph of the next batch size up on a ladder with no
-further copies. Padding rows write to slot -1 and read one key, so they change nothing. Each row of the staged
-block table remembers which sequence's table it holds, so a decode step writes only blocks that are new.
+the captured CUDA graphs, so a step replays a graph with no further copies. A pure-decode step replays the
+graph of the next batch size up on a ladder, padded with one-token rows that write to slot -1 and read one
+key. Any other step of at most PREFILL_GRAPH_MAX_TOKENS tokens replays the graph of the next token count up,
+padded with empty rows to max_num_seqs and with tokens that no row owns (slot -1, never attended): an eager
+forward costs more host time than a prefill of that size takes on the GPU. Each row of the staged block
+table remembers which sequence's table it holds, so a decode step writes only blocks that are new.
 
 A step is launched (staged, uploaded, run and sampled, its sampled ids copied towards pinned host memory)
 and finished (its ids read once they have arrived) in two calls, so the engine can launch the next decode
@@ -30,6 +33,16 @@ from models.parallel_layers import min_over_ranks, tp_rank, tp_size
 from models.pooling import read_pooling_config
 
 DEFAULT_DECODER_POOLING = "last"
+PREFILL_GRAPH_MAX_TOKENS = 2048  # past this a prefill's GPU time covers its launches, and padding costs more
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The padded shape a captured graph runs. Decode graphs pad with one-token rows (num_tokens ==
+    num_rows); prefill graphs pad with empty rows and with tokens no row owns."""
+    num_tokens: int
+    num_rows: int
+    is_decode: bool
 
 
 @dataclass
@@ -53,7 +66,7 @@ class StagedStep:
     is_decode: bool
     logits_lead: bool  # every token samples: the logits rows are the step's first rows
     sample_rows: list[int]
-    graph_size: int | None
+    graph: GraphShape | None
     follows: bool  # the staged input ids are rows of the previous step's sampled ids
     host: tuple[np.ndarray, np.ndarray, np.ndarray]  # staged longs, cu_seqlens|seq_lens, block-table columns in use
 
@@ -111,11 +124,14 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         max_size = config.max_num_seqs
         self.graph_sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 8), max_size] if s <= max_size})
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        most = min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)  # 16, 24, 32, 48, 64, ..., most
+        self.prefill_graph_tokens = sorted({t for t in [*(m << e for e in range(3, 11) for m in (2, 3)), most]
+                                            if t <= most})
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         if self.can_generate:
             self._allocate_step_buffers()
             if self.device.type == "cuda" and not config.enforce_eager:
-                self._capture_decode_graphs()
+                self._capture_graphs()
 
     # ---- KV cache -------------------------------------------------------------------------------
 
@@ -206,16 +222,16 @@ class ModelRunner:
                 owners[row], lengths[row] = blocks, len(blocks)
         return tables
 
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None) -> StepInputs:
-        """Stages the step's new tokens and uploads them; pad_to adds dummy decode rows (token 0 at position 0,
-        no cache write, one key read) up to a captured graph's batch size."""
-        return self._upload(self._stage(seqs, num_tokens, pad_to))
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int], graph: GraphShape | None = None) -> StepInputs:
+        """Stages the step's new tokens and uploads them, padded to a captured graph's shape when given
+        (padding tokens are token 0 at position 0 and write no cache slot)."""
+        return self._upload(self._stage(seqs, num_tokens, graph))
 
-    def _stage(self, seqs: list[Sequence], num_tokens: list[int], pad_to: int | None = None,
+    def _stage(self, seqs: list[Sequence], num_tokens: list[int], graph: GraphShape | None = None,
                follows: list[int] | None = None) -> StagedStep:
         """follows: the step continues the step in flight, one token ahead of it, for the sequences in these
         rows of it (their input ids are its sampled ids, not yet on the host)."""
-        num_seqs, num_rows = len(seqs), pad_to or len(seqs)
+        num_seqs, num_rows = len(seqs), graph.num_rows if graph else len(seqs)
         longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
         starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
@@ -225,8 +241,9 @@ class ModelRunner:
         cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(counts, out=cu_seqlens[1:num_seqs + 1])
         total = int(cu_seqlens[num_seqs])
-        cu_seqlens[num_seqs + 1:] = total + np.arange(1, num_rows - num_seqs + 1)
-        size = total + num_rows - num_seqs  # tokens in the step, padding included
+        padding_rows = np.arange(1, num_rows - num_seqs + 1) if graph and graph.is_decode else 0
+        cu_seqlens[num_seqs + 1:] = total + padding_rows
+        size = graph.num_tokens if graph else total  # tokens in the step, padding included
         input_ids, positions, slot_mapping = longs[:size], longs[size:2 * size], longs[2 * size:3 * size]
         if follows is None:
             input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
@@ -250,11 +267,12 @@ class ModelRunner:
         ints[num_rows + 1 + num_seqs:2 * num_rows + 1] = 1
         columns = -(-int(seq_lens.max(initial=0)) // self.block_size)
         return StagedStep(
-            size, num_rows, num_logits, max_seqlen_q=max(num_tokens, default=1),
-            max_seqlen_k=self.max_model_len if pad_to else int(seq_lens.max()),  # a graph serves any length
-            is_decode=bool((counts == 1).all()),
+            size, num_rows, num_logits,
+            max_seqlen_q=size if graph and not graph.is_decode else max(num_tokens, default=1),
+            max_seqlen_k=self.max_model_len if graph else int(seq_lens.max()),  # a graph serves any length
+            is_decode=graph.is_decode if graph else bool((counts == 1).all()),
             logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
-            sample_rows=np.flatnonzero(samples).tolist(), graph_size=pad_to, follows=follows is not None,
+            sample_rows=np.flatnonzero(samples).tolist(), graph=graph, follows=follows is not None,
             host=(longs[:3 * size + num_logits], ints[:2 * num_rows + 1], tables[:num_rows, :columns]))
 
     def _upload(self, staged: StagedStep) -> StepInputs:
@@ -280,12 +298,12 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], num_tokens: list[int], follows: list[int] | None = None) -> LaunchedStep:
         """Starts the step on the device without waiting for it. follows (one token per sequence): it
         continues the last step launched, which computed the sequences in these rows and is still unfinished."""
-        staged = self._stage(seqs, num_tokens, pad_to=self._graph_size(num_tokens), follows=follows)
+        staged = self._stage(seqs, num_tokens, self._graph_for(num_tokens), follows=follows)
         logits = self.collective("execute", staged)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, continuable=False)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
-        self.last_sampled = self.sampler(logits, sampling)
+        self.last_sampled = self.sampler(logits, sampling, ahead=int(follows is not None))
         ids, ready = self._to_host(self.last_sampled)
         continuable = (staged.is_decode and sampling is seqs and not self.sampler.plan_for(sampling).penalised)
         return LaunchedStep(seqs, num_tokens, staged.sample_rows, ids, ready, continuable)
@@ -322,9 +340,9 @@ class ModelRunner:
         step = self._upload(staged)
         if staged.follows:
             self._take_sampled_ids(step.input_ids[:len(staged.sample_rows)])
-        if staged.graph_size:
-            self.graphs[staged.graph_size].replay()
-            hidden = self.graph_hidden[:staged.graph_size]
+        if staged.graph:
+            self.graphs[staged.graph].replay()
+            hidden = self.graph_hidden[:staged.graph.num_tokens]
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
         return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
@@ -343,27 +361,40 @@ class ModelRunner:
         rank 0 with one that first sends (method, args) to the other ranks."""
         return getattr(self, method)(*args)
 
-    def _graph_size(self, num_tokens: list[int]) -> int | None:
-        """The captured batch size to replay for this step; None runs it eagerly."""
-        if not self.graphs or len(num_tokens) > self.graph_sizes[-1] or any(n != 1 for n in num_tokens):
+    def _graph_for(self, num_tokens: list[int]) -> GraphShape | None:
+        """The captured graph to replay for this step; None runs it eagerly."""
+        num_rows, total = len(num_tokens), sum(num_tokens)
+        if not self.graphs or num_rows > self.config.max_num_seqs:
             return None
-        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(num_tokens))]
+        if total == num_rows:  # one token per row: pure decode
+            size = self.graph_sizes[bisect.bisect_left(self.graph_sizes, num_rows)]
+            return GraphShape(size, size, is_decode=True)
+        if total <= self.prefill_graph_tokens[-1]:
+            size = self.prefill_graph_tokens[bisect.bisect_left(self.prefill_graph_tokens, total)]
+            return GraphShape(size, self.config.max_num_seqs, is_decode=False)
+        return None
 
-    def _capture_decode_graphs(self) -> None:
-        """One graph per ladder size, largest first so the smaller ones reuse its memory pool; each is
-        warmed up and captured on a step of dummy rows only."""
-        self.graph_hidden = torch.zeros(self.graph_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
+    def _graph_shapes(self) -> list[GraphShape]:
+        return ([GraphShape(size, size, is_decode=True) for size in self.graph_sizes]
+                + [GraphShape(size, self.config.max_num_seqs, is_decode=False) for size in self.prefill_graph_tokens])
+
+    def _capture_graphs(self) -> None:
+        """One graph per decode batch size and prefill token count, largest first so the smaller ones reuse
+        its memory pool; each is warmed up and captured on a step of padding only."""
+        shapes = sorted(self._graph_shapes(), key=lambda shape: shape.num_tokens, reverse=True)
+        self.graph_hidden = torch.zeros(shapes[0].num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         pool_handle = None
         with torch.inference_mode():
-            for size in reversed(self.graph_sizes):
-                step = self.prepare([], [], pad_to=size)
+            for shape in shapes:
+                step = self.prepare([], [], shape)
+                hidden = self.graph_hidden[:shape.num_tokens]
                 graph = torch.cuda.CUDAGraph()
-                self.graph_hidden[:size] = self.model(step.input_ids, step.positions, step.meta)  # warm-up
+                hidden.copy_(self.model(step.input_ids, step.positions, step.meta))  # warm-up
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(graph, pool_handle):
-                    self.graph_hidden[:size] = self.model(step.input_ids, step.positions, step.meta)
+                    hidden.copy_(self.model(step.input_ids, step.positions, step.meta))
                 pool_handle = graph.pool()
-                self.graphs[size] = graph
+                self.graphs[shape] = graph
         torch.cuda.synchronize(self.device)
 
     # ---- embeddings -----------------------------------------------------------------------------

@@ -5,12 +5,19 @@ and presence penalties (output tokens), then greedy rows take the argmax; the ot
 temperature, drop tokens under min_p * max probability, outside the top k, and outside the top-p
 nucleus, and draw with the exponential-race trick argmax(p / q), q ~ Exp(1). The race lets each seeded
 request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
+
+A batch that asks only for temperature (the common case) is drawn in one pass over the logits instead
+(kernels.gumbel_argmax: Gumbel-max with noise keyed per row); a seeded request's key is its seed and the
+position of the token drawn, so its tokens still depend on nothing else.
 """
 import numpy as np
 import torch
 from torch import Tensor
 
+import kernels
 from engine.sequence import Sequence
+
+INT63 = 2**63
 
 
 class SamplingPlan:
@@ -29,6 +36,8 @@ class SamplingPlan:
                                for p in params], dtype=np.float32).T
             self.temperature, self.top_p, self.min_p, self.top_k, greedy = to_device(values, device)
             self.greedy = greedy.bool()
+            self.temperature_or_zero = torch.where(self.greedy, 0.0, self.temperature)
+        self.one_pass = not (self.uses_min_p or self.uses_top_k_top_p)
 
 
 class Sampler:
@@ -39,17 +48,21 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.row_seed_source = np.random.default_rng(seed)
         self.planned_seqs: list[Sequence] = []
         self.plan: SamplingPlan | None = None
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
-        """logits [N, V] float32, one row per request -> int64 [N] token ids, on the device."""
+    def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int = 0) -> Tensor:
+        """logits [N, V] float32, one row per request -> int64 [N] token ids, on the device. ahead: how many
+        tokens each request has drawn beyond its token_ids (a step launched before the last one finished)."""
         plan = self.plan_for(seqs)
         if plan.penalised:
             logits = self.apply_penalties(logits, seqs)
         if plan.all_greedy:
             return logits.argmax(-1)
+        if plan.one_pass:
+            return self.sample_in_one_pass(logits, seqs, plan, ahead)
         probs = torch.softmax(logits / plan.temperature[:, None], dim=-1)
         if plan.uses_min_p:
             probs = probs.masked_fill(probs < plan.min_p[:, None] * probs.amax(-1, keepdim=True), 0)
@@ -66,6 +79,15 @@ class Sampler:
         if seqs != self.planned_seqs:  # identity per element: a C loop, no Python per request
             self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.device)
         return self.plan
+
+    def sample_in_one_pass(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int) -> Tensor:
+        """Gumbel-max over each row; a row's Philox key is fresh randomness, or for a seeded request a hash of
+        its seed and the position of the token it draws."""
+        seeds = self.row_seed_source.integers(0, INT63, size=len(seqs), dtype=np.int64)
+        for row in plan.seeded_rows:
+            seq = seqs[row]
+            seeds[row] = (seq.params.seed * 0x9E3779B97F4A7C15 + (len(seq) + ahead) * 0xBF58476D1CE4E5B9) % INT63
+        return kernels.gumbel_argmax(logits, plan.temperature_or_zero, to_device(seeds, self.device))
 
     def exponential_noise(self, probs: Tensor, seqs: list[Sequence], seeded_rows: list[int]) -> Tensor:
         """Exp(1) noise; the rows of seeded requests draw from their own generators."""

@@ -148,6 +148,7 @@ def stop_ranks(processes: list, pipes: list) -> None:
             pipe.send_bytes(pickle.dumps((None, ())))
         except OSError:
             pass
+    leave_group()
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -157,8 +158,13 @@ def stop_ranks(processes: list, pipes: list) -> None:
             process.join()
     for pipe in pipes:
         pipe.close()
+
+
+def leave_group() -> None:
+    """Aborts rank 0's process group rather than destroying it: on 2 H200s, NCCL's destroy on rank 0 (after
+    CUDA graphs holding its collectives) waited forever for the other ranks, which were exiting."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)()
 
 
 # ---- the other ranks ---------------------------------------------------------------------------------
@@ -187,8 +193,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
             break
         with torch.inference_mode():
             getattr(runner, method)(*args)
-    dist.destroy_process_group()
-    os._exit(0)  # nothing left to clean up; skips tearing down the interpreter (a second or more)
+    os._exit(0)  # no group teardown (rank 0 aborts its side) nor interpreter teardown: a second or more  # nothing left to clean up; skips tearing down the interpreter (a second or more)
 
 
 def keep_off_protocol_streams() -> None:

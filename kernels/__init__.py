@@ -23,6 +23,7 @@ __all__ = [
     "add_rms_norm",
     "silu_and_mul",
     "qkv_prologue",
+    "gumbel_argmax",
 ]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
@@ -39,6 +40,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         triton_attention,
         triton_norm,
         triton_prologue,
+        triton_sampling,
     )
 
     backend = SimpleNamespace(
@@ -48,6 +50,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         add_rms_norm=triton_norm.add_rms_norm,
         silu_and_mul=triton_activation.silu_and_mul,
         qkv_prologue=triton_prologue.qkv_prologue,
+        gumbel_argmax=triton_sampling.gumbel_argmax,
     )
     try:
         import flash_attn
@@ -129,3 +132,10 @@ def qkv_prologue(
         qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
         k_cache, v_cache, slot_mapping, return_kv,
     )
+
+
+def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
+    """One token per row of logits [N, V]: argmax(logits / temperature + Gumbel noise), a draw from
+    softmax(logits / temperature); argmax(logits) where temperature is 0. The noise of a row is a function
+    of its int64 seed alone (Philox on CUDA, a seeded torch generator on CPU)."""
+    return _backend_of(logits).gumbel_argmax(logits, temperature, seeds)

@@ -128,3 +128,16 @@ def qkv_prologue(
     if k_cache is not None and slot_mapping is not None:
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return (q, k, v) if return_kv else (q, None, None)
+
+
+def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
+    """The draw of kernels/triton_sampling.py, with each row's uniform noise from a torch generator seeded
+    with the row's seed: other numbers than Philox, the same distribution."""
+    if not len(seeds):
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    uniform = torch.stack([torch.rand(logits.shape[1], generator=torch.Generator().manual_seed(seed))
+                           for seed in seeds.tolist()]).to(logits.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
+    greedy = temperature == 0
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None] + gumbel
+    return torch.where(greedy[:, None], logits.float(), scaled).argmax(-1)

@@ -172,3 +172,18 @@ def test_free_queue_links():
     queue.appendleft(blocks[2])
     assert [b.block_id for b in queue] == [2, 0, 1, 3] and len(queue) == 4
     assert queue.popleft() is blocks[2] and [b.block_id for b in queue] == [0, 1, 3]
+
+
+def test_reset_prefix_cache_forgets_prefixes_and_refuses_while_busy():
+    bm = BlockManager(4, 4)
+    seq = Sequence(0, list(range(9)), SamplingParams(), 100)
+    assert bm.allocate(seq, 9)
+    seq.num_computed_tokens = 9
+    bm.commit(seq)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.reset_prefix_cache()
+    bm.free(seq)
+    again = Sequence(1, list(range(9)), SamplingParams(), 100)
+    assert len(bm.find_cached_prefix(again)) == 2
+    bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(again) == [] and bm.num_free_blocks == 4

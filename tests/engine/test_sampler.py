@@ -73,3 +73,16 @@ def test_batch_plan_is_rebuilt_when_the_batch_changes():
     assert sampler(logits, [penalised]).tolist() == [1]  # 3 - 2 * 1 < 2
     hot = make([0], temperature=1.0, top_k=2, seed=3)
     assert sampler(logits.expand(2, 3), [penalised, hot]).tolist()[0] == 1 and sampler.plan.seeded_rows == [1]
+
+
+def test_one_pass_draw_of_a_seeded_request_is_keyed_by_position():
+    """A temperature-only batch takes the one-pass path; a seeded request's draw depends on its seed and the
+    position drawn, so a step launched one token ahead draws what the synchronous step would have."""
+    logits = torch.randn(1, 400, generator=torch.Generator().manual_seed(2))
+    sampler = Sampler(torch.device("cpu"))
+    seq, longer = make([0, 1], seed=5, temperature=1.0), make([0, 1], [9], seed=5, temperature=1.0)
+    assert sampler.plan_for([seq]).one_pass
+    draws_ahead = [sampler(logits, [seq], ahead=1).item() for _ in range(3)]
+    assert draws_ahead == [sampler(logits, [longer]).item()] * 3
+    positions = {sampler(logits, [seq], ahead=n).item() for n in range(30)}
+    assert len(positions) > 10

@@ -3,7 +3,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only, paged_batch
 
-from kernels import reference
+from kernels import AttentionMetadata, reference
 from kernels.triton_attention import choose_num_splits, decode_attention, paged_attention, varlen_attention
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
@@ -67,6 +67,25 @@ def test_prefill_and_mixed(head_dim, block_size, num_q_heads, num_kv_heads):
                                             block_size, torch.float32)
     out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
     assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 2), (8, 1)])
+def test_prefill_padded_to_a_captured_shape(num_q_heads, num_kv_heads):
+    """A step padded for a prefill CUDA graph: empty rows after the real ones, tokens no row owns at the
+    end, and max_seqlen_q the graph's token count. The real rows' output is unchanged."""
+    q, k_cache, v_cache, meta = paged_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_q_heads, num_kv_heads, 64, 16,
+                                            torch.float32)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    total, pad_rows, pad_tokens = q.shape[0], 3, 40
+    cu_seqlens = torch.cat((meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad_rows)))
+    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_ones(pad_rows)))
+    padded = AttentionMetadata(
+        slot_mapping=None, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
+        block_tables=torch.cat((meta.block_tables, meta.block_tables[:1].repeat(pad_rows, 1))),
+        max_seqlen_q=total + pad_tokens, max_seqlen_k=meta.max_seqlen_k, is_decode=False)
+    q_padded = torch.cat((q, torch.randn(pad_tokens, *q.shape[1:], device=DEVICE)))
+    out = paged_attention(q_padded, k_cache, v_cache, padded, 0.125)
+    assert_close(out[:total], expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

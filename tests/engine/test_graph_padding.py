@@ -1,0 +1,80 @@
+"""The inputs CUDA graphs replay, checked on the CPU: every step is staged padded to the captured shape the
+GPU would replay (decode batch sizes, prefill token counts), and a stand-in graph runs the model eagerly on
+exactly those padded device buffers. Greedy outputs must still equal transformers' token for token."""
+from types import SimpleNamespace
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.model_runner import GraphShape, ModelRunner
+from kernels import AttentionMetadata
+
+NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
+
+
+class EagerReplay:
+    """A stand-in for a captured graph: runs the forward on the padded step buffers of its shape."""
+
+    def __init__(self, runner, shape: GraphShape):
+        self.runner, self.shape, self.replays = runner, shape, 0
+
+    def replay(self) -> None:
+        runner, shape = self.runner, self.shape
+        ids, positions, slots, _, cu_seqlens, seq_lens, tables = runner._device_inputs(
+            shape.num_tokens, shape.num_rows, 0)
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
+                                 block_tables=tables, max_seqlen_q=1 if shape.is_decode else shape.num_tokens,
+                                 max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode)
+        runner.graph_hidden[:shape.num_tokens] = runner.model(ids, positions, meta)
+        self.replays += 1
+
+
+def with_eager_graphs(llm) -> dict:
+    runner = llm.core.runner
+    shapes = runner._graph_shapes()
+    runner.graph_hidden = torch.zeros(max(s.num_tokens for s in shapes), runner.hidden_size, dtype=runner.dtype,
+                                      device=runner.device)
+    runner.graphs = {shape: EagerReplay(runner, shape) for shape in shapes}
+    return runner.graphs
+
+
+def test_padded_graph_steps_match_transformers(tiny_model, prompts_of_lengths):
+    """Prefill steps padded with empty rows and unowned tokens, decode steps with one-token rows."""
+    prompts = prompts_of_lengths([3, 17, 33, 50, 9])
+    llm = LLM(tiny_model.path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=40)
+    graphs = with_eager_graphs(llm)
+    outputs = [out["token_ids"] for out in llm.generate(prompts, GREEDY)]
+    assert outputs == [tiny_model.greedy(prompt, NEW) for prompt in prompts]
+    replayed = {shape for shape, graph in graphs.items() if graph.replays}
+    assert any(not shape.is_decode for shape in replayed) and any(shape.is_decode for shape in replayed)
+    assert all(graph.replays == 0 for shape, graph in graphs.items() if shape.num_tokens > 40)
+
+
+def test_prefill_graph_padding_with_prefix_hits(tiny_llama, prompts_of_lengths):
+    shared = prompts_of_lengths([40], seed=5)[0]
+    prompts = [shared + tail for tail in prompts_of_lengths([1, 9, 20], seed=6)]
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_seqs=4)
+    with_eager_graphs(llm)
+    first = [out["token_ids"] for out in llm.generate(prompts[:1], GREEDY)]
+    rest = [out["token_ids"] for out in llm.generate(prompts[1:], GREEDY)]
+    assert llm.core.block_manager.num_hit_tokens >= 2 * 32
+    assert first + rest == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
+
+
+def test_graph_choice():
+    """Pure decode picks the next decode batch size up; other steps the next prefill token count up (rows
+    padded to max_num_seqs); past PREFILL_GRAPH_MAX_TOKENS or max_num_batched_tokens, eager."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.config = EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=4096)
+    runner.graph_sizes = [1, 2, 4, 8, 16, 24, 32]
+    runner.prefill_graph_tokens = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    runner.graphs = SimpleNamespace()  # truthy: graphs captured
+    assert runner._graph_for([1] * 5) == GraphShape(8, 8, is_decode=True)
+    assert runner._graph_for([1] * 32) == GraphShape(32, 32, is_decode=True)
+    assert runner._graph_for([1024]) == GraphShape(1024, 32, is_decode=False)
+    assert runner._graph_for([1, 1, 30]) == GraphShape(32, 32, is_decode=False)
+    assert runner._graph_for([1030, 1, 1]) == GraphShape(1536, 32, is_decode=False)
+    assert runner._graph_for([2049]) is None
+    assert runner._graph_for([1] * 33) is None

@@ -1,0 +1,47 @@
+"""The one-pass Gumbel-max sampler (Triton, and its torch reference): greedy rows take the argmax, draws
+follow softmax(logits / temperature), and a row's draw is a function of its seed alone."""
+import pytest
+import torch
+from kernel_testing import DEVICE
+
+from kernels import reference
+from kernels.triton_sampling import gumbel_argmax
+
+IMPLEMENTATIONS = {"triton": gumbel_argmax, "reference": reference.gumbel_argmax}
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_draws_follow_the_tempered_softmax(name):
+    """2,000 rows of one distribution, each with its own seed: the frequencies match the probabilities."""
+    sample = IMPLEMENTATIONS[name]
+    rows, temperature = 2000, 0.7
+    logits = torch.tensor([1.0, 2.0, 0.5, 2.5, -1.0, 1.5], device=DEVICE).repeat(rows, 1)
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ids = sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds)
+    frequency = torch.bincount(ids.cpu(), minlength=6).float() / rows
+    expected = torch.softmax(logits[0].cpu() / temperature, -1)
+    assert (frequency - expected).abs().max() < 0.035  # about 4 standard deviations at these counts
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_greedy_rows_seeds_and_a_vocabulary_over_several_blocks(name):
+    """Temperature 0 is the argmax wherever it lies; the same seed gives the same draw in any batch; a
+    vocabulary wider than one block is searched whole."""
+    sample = IMPLEMENTATIONS[name]
+    vocab = 9000  # three blocks of 4096 in the Triton kernel
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[0, 8999] = logits[1, 5] = 50.0
+    temperature = torch.tensor([0.0, 0.0, 1.0, 1.0], device=DEVICE)
+    seeds = torch.tensor([11, 12, 13, 13], device=DEVICE)
+    ids = sample(logits, temperature, seeds).tolist()
+    assert ids[:2] == [8999, 5]
+    alone = sample(logits[2:3], temperature[2:3], seeds[2:3]).item()
+    assert ids[2] == alone
+    draws = {sample(logits[2:3], temperature[2:3], torch.tensor([seed], device=DEVICE)).item() for seed in range(40)}
+    assert len(draws) > 20  # near-flat logits at temperature 1: different seeds, different tokens
+
+
+def test_rejects_strided_vocabulary():
+    logits = torch.randn(8, 2, device=DEVICE).t()
+    with pytest.raises(ValueError, match="contiguous along the vocabulary"):
+        gumbel_argmax(logits, torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE))
