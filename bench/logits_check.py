@@ -29,9 +29,8 @@ class TeacherForcing:
 def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     core = llm.core
     core.overlap = False  # the forcing sampler reads each request's tokens when it samples
-    sampler = core.runner.sampler
-    core.runner.sampler = TeacherForcing(tokens, sampler)
-    forcing = core.runner.sampler
+    forcing = TeacherForcing(tokens, core.runner.sampler)
+    sampler, core.runner.sampler = core.runner.sampler, forcing
     try:
         seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
             temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))

@@ -193,7 +193,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
             break
         with torch.inference_mode():
             getattr(runner, method)(*args)
-    os._exit(0)  # no group teardown (rank 0 aborts its side) nor interpreter teardown: a second or more  # nothing left to clean up; skips tearing down the interpreter (a second or more)
+    os._exit(0)  # no group teardown (rank 0 aborts its side) and no interpreter teardown (a second or more)
 
 
 def keep_off_protocol_streams() -> None:
