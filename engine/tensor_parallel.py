@@ -84,7 +84,8 @@ class TensorParallelRanks:
             theirs.close()
             self.processes.append(process)
             self.pipes.append(ours)
-        self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes)
+        self.graphs: list[dict] = []  # the attached runner's captured graphs, released before leaving the group
+        self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes, self.graphs)
         try:
             self.device = init_group(config, 0, store)
         except BaseException:
@@ -115,6 +116,7 @@ class TensorParallelRanks:
         """From now on the runner's collective calls run on every rank."""
         self.runner = runner
         runner.collective = self.collective
+        self.graphs.append(runner.graphs)
 
     def collective(self, method: str, *args):
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -142,13 +144,13 @@ def init_group(config: EngineConfig, rank: int, store: dist.Store) -> torch.devi
     return device
 
 
-def stop_ranks(processes: list, pipes: list) -> None:
+def stop_ranks(processes: list, pipes: list, graphs: list[dict]) -> None:
     for pipe in pipes:
         try:
             pipe.send_bytes(pickle.dumps((None, ())))
         except OSError:
             pass
-    leave_group()
+    leave_group(graphs)
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -160,10 +162,16 @@ def stop_ranks(processes: list, pipes: list) -> None:
         pipe.close()
 
 
-def leave_group() -> None:
-    """Aborts rank 0's process group rather than destroying it: on 2 H200s, NCCL's destroy on rank 0 (after
-    CUDA graphs holding its collectives) waited forever for the other ranks, which were exiting."""
+def leave_group(graphs: list[dict]) -> None:
+    """Releases rank 0's CUDA graphs, then aborts its process group (the other ranks exit without teardown,
+    so nothing waits for them). A captured NCCL collective holds a reference on its communicator until its
+    graph is destroyed, and NCCL's destroy and abort both wait for those references: with the graphs alive,
+    shutdown hung forever on 2 H200s."""
+    for captured in graphs:
+        captured.clear()
     if dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)()
 
 
