@@ -6,6 +6,7 @@ from random import randint, seed
 
 from engine import LLM, SamplingParams
 from random_model import make_random_model
+from step_trace import StepTrace
 
 
 def workload(num_seqs=256, max_input_len=1024, max_output_len=1024):
@@ -24,11 +25,15 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
+    ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
               overlap_steps=not args.no_overlap)
+    trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
+    if trace:
+        trace.report()
     prompts, params = workload(args.num_seqs)
     total = sum(p.max_tokens for p in params)
     for _ in range(args.repeat):
@@ -37,6 +42,8 @@ def main():
         llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         print(f"output tokens {total}  seconds {seconds:.2f}  throughput {total / seconds:,.0f} tok/s", flush=True)
+        if trace:
+            trace.report()
 
 
 if __name__ == "__main__":

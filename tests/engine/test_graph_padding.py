@@ -78,3 +78,16 @@ def test_graph_choice():
     assert runner._graph_for([1030, 1, 1]) == GraphShape(1536, 32, is_decode=False)
     assert runner._graph_for([2049]) is None
     assert runner._graph_for([1] * 33) is None
+
+
+def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
+    """Whatever a step's sizes, every array it uploads starts at a multiple of 16 elements: Triton compiles a
+    kernel variant per pointer alignment, and a variant first met mid-run cost seconds on the GPU."""
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_seqs=8)
+    runner = llm.core.runner
+    for num_tokens, num_rows in [(1, 1), (7, 3), (13, 5), (33, 8)]:
+        views = runner._device_inputs(num_tokens, num_rows, num_rows)
+        assert [view.storage_offset() % 16 for view in views] == [0] * len(views)
+    prompts = prompts_of_lengths([3, 10, 21])
+    assert ([out["token_ids"] for out in llm.generate(prompts, GREEDY)]
+            == [tiny_llama.greedy(prompt, NEW) for prompt in prompts])
