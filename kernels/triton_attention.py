@@ -88,7 +88,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LENS_BLOCK: tl.constexpr,
+    LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,16 +98,20 @@ def _decode_kernel(
     rows = tl.arange(0, GROUP_BLOCK)
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
+    part_row = (seq.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
     chunk = seq_len
     if SPLIT:
         # Every split is a chunk of the batch's longest context: a sequence takes as many as its length
         # needs, so the programs do equal work and none runs long after the others (cutting each
         # sequence into equal parts kept a long sequence's parts long: 8-24% slower on varied lengths).
+        # Splits that only BALANCE a full GPU are at least the mean length: equal lengths are not cut.
         lens = tl.arange(0, LENS_BLOCK)
-        longest = tl.max(tl.load(seq_lens_ptr + lens, mask=lens < tl.num_programs(0), other=0), 0)
-        chunk = tl.cdiv(tl.cdiv(longest, num_splits), BLOCK_N) * BLOCK_N
+        batch_lens = tl.load(seq_lens_ptr + lens, mask=lens < tl.num_programs(0), other=0)
+        chunk = tl.cdiv(tl.max(batch_lens, 0), num_splits)
+        if BALANCE:
+            chunk = tl.maximum(chunk, tl.cdiv(tl.sum(batch_lens, 0), tl.num_programs(0)))
+        chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
         if split * chunk >= seq_len:
-            part_row = (seq.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
             tl.store(part_lse_ptr + part_row, tl.full([GROUP_BLOCK], float("-inf"), tl.float32), mask=row_mask)
             return
     lo = split * chunk
@@ -131,15 +135,15 @@ def _decode_kernel(
                             DOT_PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    if SPLIT:
-        num_q_heads = num_kv_heads * GROUP
-        part_row = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split
+    if seq_len <= chunk:  # one split holds the whole context: the output is final (+inf tells the merge)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        if SPLIT:
+            tl.store(part_lse_ptr + part_row, tl.full([GROUP_BLOCK], float("inf"), tl.float32), mask=row_mask)
+    else:
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
-    else:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -153,7 +157,10 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_BLOCK)
     split_mask = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
-    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    first_row = (seq.to(tl.int64) * num_heads + head) * num_splits
+    if tl.load(part_lse_ptr + first_row) == float("inf"):  # written whole by the decode kernel
+        return
+    part_row = first_row + splits
     lse = tl.load(part_lse_ptr + part_row, mask=split_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -234,13 +241,18 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _occupancy(device: torch.device) -> int:
+    """Programs that fill the GPU: two waves."""
+    return 2 * _num_sms(device)
+
+
 def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
     at least MIN_SPLITS, at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled
     variants), at most MAX_SPLITS. Two splits on a full GPU cost 5% at equal context lengths but gain 3-20%
     at lengths spread over 100-2,100 tokens (H100, batch 256 to 16), where the longest sequences would
     otherwise run on after the rest: 18.2k -> 18.6k tok/s on the throughput benchmark."""
-    target = 2 * _num_sms(device)
+    target = _occupancy(device)
     wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // MIN_TOKENS_PER_SPLIT,
                  MAX_SPLITS)
     return 1 if wanted <= 1 else 1 << (wanted.bit_length() - 1)
@@ -298,6 +310,7 @@ def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
         GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=32, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
+        BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device),
         num_warps=2, num_stages=2,  # the fastest at batch 64-256 on an H100 (2.89 TB/s at 256 x 1,100 tokens)
     )
     if split:

@@ -1,4 +1,6 @@
 """Tiny random decoders saved as transformers checkpoints, and transformers' own greedy output as reference."""
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -58,3 +60,13 @@ def _prompts_of_lengths(lengths, seed=1, vocab=TINY["vocab_size"]) -> list[list[
 def prompts_of_lengths():
     """prompts_of_lengths(lengths, seed=1): random token-id prompts of the given lengths."""
     return _prompts_of_lengths
+
+
+@pytest.fixture(autouse=True)
+def free_the_gpu_between_tests():
+    """An engine sizes its KV cache to most of the GPU's free memory, so the engines of earlier tests (kept
+    alive by reference cycles until a collection) must be gone before the next one starts."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
