@@ -5,9 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from engine.model_runner import ModelRunner
+
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
             eos_token_id=None, pad_token_id=None)
+CUDA_TEST_KV_BLOCKS = 1024
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
@@ -63,9 +66,13 @@ def prompts_of_lengths():
 
 
 @pytest.fixture(autouse=True)
-def free_the_gpu_between_tests():
-    """An engine sizes its KV cache to most of the GPU's free memory, so the engines of earlier tests (kept
-    alive by reference cycles until a collection) must be gone before the next one starts."""
+def engines_share_the_gpu(monkeypatch):
+    """On CUDA an engine sizes its KV cache to gpu_memory_utilization of the whole GPU, counting what other
+    engines hold as used, so the second of two engines in one test would get none: on CUDA, tests' engines
+    get a fixed pool unless they ask for one. Engines of earlier tests, kept alive by reference cycles, are
+    collected after each test."""
+    if torch.cuda.is_available():
+        monkeypatch.setattr(ModelRunner, "_blocks_fitting_gpu", lambda runner, block_bytes: CUDA_TEST_KV_BLOCKS)
     yield
     if torch.cuda.is_available():
         gc.collect()
