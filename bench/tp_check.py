@@ -136,7 +136,7 @@ def compare(name, greedy, records, ref_greedy, ref_records, num_blocks) -> tuple
 def run_all(args, path, prompts) -> tuple[list[tuple], dict]:
     """The reference's and the other engines' compare() rows, each engine in its own process, and the
     reference's records."""
-    base = dict(device=args.device)
+    base = dict(device=args.device, dtype=args.dtype)
     if torch.device(args.device).type == "cuda":
         base["gpu_memory_utilization"] = 0.5
     n = args.tensor_parallel_size
@@ -180,6 +180,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-len", type=int, default=600)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype: auto (bfloat16 on CUDA) or float32, "
+                                                     "where TP=N and TP=1 part only by float32 rounding")
     ap.add_argument("--child-timeout", type=float, default=240, help="seconds each engine process may take")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: an engine process's config, as JSON
     ap.add_argument("--job", help=argparse.SUPPRESS)  # a pickled dict of run_engine()'s other arguments
