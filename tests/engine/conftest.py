@@ -3,9 +3,10 @@ import gc
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine.model_runner import ModelRunner
+from random_decoders import save_random_decoder
 
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
@@ -46,10 +47,8 @@ _CACHE = {}
 
 def _make(name, tmp_path_factory) -> Reference:
     if name not in _CACHE:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
         path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
+        model = save_random_decoder(CONFIGS[name](), path, random_biases_and_norms=False)
         _CACHE[name] = Reference(str(path), model)
     return _CACHE[name]
 

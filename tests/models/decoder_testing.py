@@ -1,14 +1,10 @@
 """Tiny random decoders saved as transformers checkpoints, and helpers to drive our models step by step."""
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from kernels import AttentionMetadata
+from random_decoders import save_random_decoder
 
 COMMON = dict(
     vocab_size=320,
@@ -37,14 +33,7 @@ CONFIGS = {
 
 def save_tiny_model(name: str, path, **save_kwargs):
     """A random transformers model of the named family saved under `path`; returns the transformers model."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
-    with torch.no_grad():  # random biases and norm weights, so a wrong mapping cannot hide behind zeros and ones
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("bias") or "norm" in param_name:
-                param.copy_(torch.randn_like(param) * 0.5 + (0.0 if param_name.endswith("bias") else 1.0))
-    model.save_pretrained(path, **save_kwargs)
-    return model.eval()
+    return save_random_decoder(CONFIGS[name](), path, **save_kwargs)
 
 
 def varlen_metadata(lengths: list[int]) -> AttentionMetadata:

@@ -2,8 +2,9 @@
 family allows (so the row-parallel bias-once rule is exercised), tied and untied heads, and an odd
 vocabulary (so the last rank's vocabulary range is padded)."""
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from random_decoders import save_random_decoder
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5,
@@ -18,17 +19,6 @@ CONFIGS = {
 }
 
 
-def save_model(name: str, path) -> str:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
-    with torch.no_grad():  # random biases and norm weights: a rank applying a bias twice cannot hide
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("bias") or "norm" in param_name:
-                param.copy_(torch.randn_like(param) * 0.5 + (0.0 if param_name.endswith("bias") else 1.0))
-    model.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="session")
 def tp_model_path(tmp_path_factory):
     """tp_model_path(name): the saved model's directory (made once per session)."""
@@ -36,7 +26,9 @@ def tp_model_path(tmp_path_factory):
 
     def get(name: str) -> str:
         if name not in paths:
-            paths[name] = save_model(name, tmp_path_factory.mktemp(name))
+            path = tmp_path_factory.mktemp(name)
+            save_random_decoder(CONFIGS[name](), path)
+            paths[name] = str(path)
         return paths[name]
 
     return get
