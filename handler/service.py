@@ -2,9 +2,14 @@
 
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
 the request's error reply. Chat runs on the engine Worker through a per-request queue of outputs.
+Encoding (chat templates, tokenizing) runs on a thread of its own, with its own copy of the tokenizer, so a
+long prompt does not hold up the event loop that streams every other request's chunks.
 """
 
+import asyncio
+import copy
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 from engine import Worker
 from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults, type_name
@@ -15,18 +20,26 @@ from handler.tokenizer import embedding_token_ids
 class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str):
         self.worker = worker
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
         tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
-        self.chat_model = ChatModel(tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir))
+        # A copy: tokenizers refuses to use one tokenizer from two threads while one reconfigures it
+        # (truncation), so the encoding thread shares nothing with the loop's decoding.
+        self.chat_model = ChatModel(copy.deepcopy(tokenizer), worker.max_model_len, eos,
+                                    sampling_defaults(worker.model_dir))
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._request_ids = itertools.count(1)
+
+    async def encode(self, function, *args):
+        """function(*args) on the encoding thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.encoder, function, *args)
 
     async def chat_completions(self, data):
         """Streams {"content", "finish_reason"} chunks; the last one has a finish_reason and usage."""
         if self.worker.kind != "decoder":
             raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
-        request = parse_chat_request(data, self.chat_model)
+        request = await self.encode(parse_chat_request, data, self.chat_model)
         request_id = f"chat-{next(self._request_ids)}"
         completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids, request.stop))
         outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
@@ -54,7 +67,8 @@ class Service:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text:
                 raise RequestError(f"input[{i}] must be a non-empty string, got {text!r}")
-        return {"tokens": embedding_token_ids(self.tokenizer, texts, self.worker.max_model_len)}
+        tokens = await self.encode(embedding_token_ids, self.chat_model.tokenizer, texts, self.worker.max_model_len)
+        return {"tokens": tokens}
 
     async def embeddings(self, data):
         token_lists = field(data, "input")
