@@ -249,9 +249,9 @@ def _occupancy(device: torch.device) -> int:
 def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
     at least MIN_SPLITS, at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled
-    variants), at most MAX_SPLITS. Two splits on a full GPU cost 5% at equal context lengths but gain 3-20%
-    at lengths spread over 100-2,100 tokens (H100, batch 256 to 16), where the longest sequences would
-    otherwise run on after the rest: 18.2k -> 18.6k tok/s on the throughput benchmark."""
+    variants), at most MAX_SPLITS. On a full GPU the two splits cost 2-9% at equal context lengths (which they
+    leave whole) and gain 4-25% at lengths spread over 100-2,100 tokens (H100, batch 256 to 64), where the
+    longest sequences would otherwise run on after the rest: 18.2k -> 18.6k tok/s on bench/throughput.py."""
     target = _occupancy(device)
     wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // MIN_TOKENS_PER_SPLIT,
                  MAX_SPLITS)
