@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import varlen_attention
-from models.loader import iterate_safetensors
+from models.loader import iterate_safetensors, load_weights
+from models.parallel_layers import MergedColumnParallelLinear
 
 # RoBERTa-style models number positions from padding_idx + 1 (position padding_idx is reserved for pads).
 _POSITION_OFFSET_MODEL_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -49,7 +50,7 @@ class BertLayer(nn.Module):
         self.head_dim = hidden // self.num_heads
         self.scale = self.head_dim ** -0.5
         self.gelu_approximate = _GELU_APPROXIMATIONS[config.hidden_act]
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [hidden] * 3, bias=True)
         self.o_proj = nn.Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.up_proj = nn.Linear(hidden, config.intermediate_size)
@@ -145,32 +146,8 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return f"layers.{index}.{ours}.{_OLD_NORM_NAMES.get(leaf, leaf)}", shard
 
 
-@torch.no_grad()
-def load_weights(model: BertModel, model_dir: str) -> None:
-    """Copy the checkpoint's tensors into `model`, fusing Q, K and V; every parameter must be filled."""
-    params = dict(model.named_parameters())
-    missing = {(name, shard) for name in params for shard in ((0, 1, 2) if ".qkv_proj." in name else (None,))}
-    for name, tensor in iterate_safetensors(model_dir):
-        target = _target(name)
-        if target is None:
-            continue
-        ours, shard = target
-        if ours not in params:
-            raise ValueError(f"{model_dir}: weight {name!r} has no place in {type(model).__name__}")
-        param = params[ours]
-        destination = param if shard is None else param.view(3, -1, *param.shape[1:])[shard]
-        if destination.shape != tensor.shape:
-            raise ValueError(f"{model_dir}: weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                             f"{tuple(destination.shape)}; the checkpoint does not match its config.json")
-        destination.copy_(tensor)
-        missing.discard((ours, shard))
-    if missing:
-        names = sorted({name for name, _ in missing})
-        raise ValueError(f"{model_dir}: checkpoint lacks weights for {names}")
-
-
 def load_bert(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device) -> BertModel:
     with torch.device(device):
         model = BertModel(hf_config)
-    load_weights(model, model_dir)
+    load_weights(model, iterate_safetensors(model_dir, lazy=True), model_dir, target=_target)
     return model.to(dtype).eval()

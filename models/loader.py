@@ -1,14 +1,15 @@
-"""Weights into a decoder: checkpoint tensors (transformers names) copied into our fused parameters.
+"""Weights into a model: checkpoint tensors (transformers names) copied into our fused parameters.
 
 Tensors are streamed one at a time (safetensors.safe_open), so loading never holds a whole file in memory.
 Each parameter's weight_loader (models/parallel_layers.py) copies its rank's part: for safetensors it gets a
 lazy slice, so a tensor-parallel rank reads only the rows it keeps.
 """
 
+import functools
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -71,14 +72,17 @@ def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str) -> None:
-    """Copy (transformers name, tensor or safetensors slice) pairs into the model; every parameter must be
-    filled exactly."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str,
+                 target: Callable[[str], tuple[str, int | None] | None] | None = None) -> None:
+    """Copy (checkpoint name, tensor or safetensors slice) pairs into the model; every parameter must be
+    filled exactly. target maps a checkpoint name to (our parameter, slice index in a fused module or None),
+    or None to skip it; by default the decoders' transformers names."""
     params = dict(model.named_parameters())
+    target_of = target or functools.partial(_target, model, params)
     missing = _expected(model, params)
     unexpected = []
     for name, tensor in weights:
-        target = _target(model, params, name)
+        target = target_of(name)
         if target is None:
             continue
         ours, index = target
