@@ -28,8 +28,7 @@ from engine.config import EngineConfig
 from engine.embedding import embed, pack
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-import kernels
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, gumbel_argmax
 from models.parallel_layers import min_over_ranks, tp_rank, tp_size
 from models.pooling import read_pooling_config
 
@@ -187,8 +186,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:1].expand(num_rows, -1).contiguous())
         if logits is not None:  # tensor-parallel ranks other than 0 get no logits and do not sample
             torch.softmax(logits, -1).argmax(-1)
-            kernels.gumbel_argmax(logits, torch.zeros(num_rows, device=self.device),
-                                  torch.zeros(num_rows, dtype=torch.int64, device=self.device))
+            gumbel_argmax(logits, torch.zeros(num_rows, device=self.device),
+                          torch.zeros(num_rows, dtype=torch.int64, device=self.device))
         torch.cuda.synchronize(self.device)
 
     # ---- step inputs ----------------------------------------------------------------------------
