@@ -8,7 +8,8 @@ pickled once and written to one pipe per rank. The collectives inside the forwar
 CPU) keep the ranks in step; each rank captures its own CUDA graphs, the all-reduces inside them.
 
 A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 is gone) or, should it be
-stuck inside a collective, when a watchdog thread sees that its parent has died.
+stuck inside a collective, when a watchdog thread sees that its parent has died. Rank 0 watches the ranks
+in turn: one that exits early leaves every later collective waiting for it, so the engine is told.
 """
 import multiprocessing
 import multiprocessing.connection
@@ -17,6 +18,7 @@ import pickle
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,7 +87,8 @@ class TensorParallelRanks:
             self.processes.append(process)
             self.pipes.append(ours)
         self.graphs: list[dict] = []  # the attached runner's captured graphs, released before leaving the group
-        self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes, self.graphs)
+        self.stopping = threading.Event()  # set once shutdown has begun: ranks exiting then are expected
+        self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes, self.graphs, self.stopping)
         try:
             self.device = init_group(config, 0, store)
         except BaseException:
@@ -118,6 +121,18 @@ class TensorParallelRanks:
         runner.collective = self.collective
         self.graphs.append(runner.graphs)
 
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Calls on_lost(reason) from a watchdog thread if a rank exits before shutdown."""
+        threading.Thread(target=self._watch, args=(on_lost,), name="tensor-parallel-watchdog", daemon=True).start()
+
+    def _watch(self, on_lost: Callable[[str], None]) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        rank = sentinels[multiprocessing.connection.wait(list(sentinels))[0]]
+        if not self.stopping.is_set():
+            process = self.processes[rank - 1]
+            process.join(PARENT_POLL_S)  # the sentinel can fire a moment before the exit code is there
+            on_lost(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
+
     def collective(self, method: str, *args):
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes, start=1):
@@ -144,7 +159,8 @@ def init_group(config: EngineConfig, rank: int, store: dist.Store) -> torch.devi
     return device
 
 
-def stop_ranks(processes: list, pipes: list, graphs: list[dict]) -> None:
+def stop_ranks(processes: list, pipes: list, graphs: list[dict], stopping: threading.Event) -> None:
+    stopping.set()
     for pipe in pipes:
         try:
             pipe.send_bytes(pickle.dumps((None, ())))

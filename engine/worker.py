@@ -7,6 +7,7 @@ call_soon_threadsafe per event loop. Idle, the thread sleeps on a condition vari
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -18,6 +19,7 @@ from engine.sequence import Sequence
 from engine.tensor_parallel import load_on_all_ranks
 
 log = logging.getLogger(__name__)
+LOST_ENGINE_JOIN_S = 5.0
 
 
 @dataclass
@@ -46,8 +48,11 @@ class _EmbedJob:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None] | None = None):
+        """on_fatal(reason), called from another thread, says the engine cannot run another step (a
+        tensor-parallel rank died): every request in flight has been failed with the reason."""
         self.config = config
+        self.on_fatal = on_fatal
         loaded, self.ranks = load_on_all_ranks(config)
         self.kind, self.model_dir = loaded.kind, loaded.model_dir
         self.hidden_size = loaded.hf_config.hidden_size
@@ -72,8 +77,11 @@ class Worker:
         self._embed_jobs: list[_EmbedJob] = []
         self._requests: dict[object, _Request] = {}  # in flight, by request id (engine thread and submit)
         self._stopped = False
+        self._lost: str | None = None  # why the engine cannot go on
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        if self.ranks:
+            self.ranks.watch(self._engine_lost)
 
     # ---- called from the event loop (any thread) ------------------------------------------------
 
@@ -84,8 +92,7 @@ class Worker:
         seq = self.core.make_sequence(request_id, prompt_token_ids, params)
         request = _Request(seq, asyncio.Queue(), asyncio.get_running_loop())
         with self._cond:
-            if self._stopped:
-                raise RuntimeError("the engine has shut down")
+            self._check_running()
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = request
@@ -105,11 +112,35 @@ class Worker:
         loop = asyncio.get_running_loop()
         job = _EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
         with self._cond:
-            if self._stopped:
-                raise RuntimeError("the engine has shut down")
+            self._check_running()
             self._embed_jobs.append(job)
             self._cond.notify()
         return await job.future
+
+    def _check_running(self) -> None:
+        if self._lost:
+            raise RuntimeError(self._lost)
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
+
+    def _engine_lost(self, reason: str) -> None:
+        """The tensor-parallel watchdog's report: the engine thread may be stuck in a collective that never
+        completes, so requests in flight and embedding calls fail here, and so does every later call."""
+        error = f"{reason}: the engine cannot go on"
+        log.error(error)
+        with self._cond:
+            self._lost = error
+            requests, self._requests, self._new = list(self._requests.values()), {}, []
+            jobs, self._embed_jobs = self._embed_jobs, []
+        for request in requests:
+            seq = request.seq
+            output = RequestOutput(seq.request_id, [], "error", error, seq.num_prompt_tokens, seq.num_output_tokens,
+                                   seq.num_cached_tokens)
+            _post(request.loop, _put_all, [(request.queue, output)])
+        for job in jobs:
+            _post(job.loop, _set_future, job.future, None, RuntimeError(error))
+        if self.on_fatal:
+            self.on_fatal(error)
 
     def stats(self) -> dict:
         if self.core is None:
@@ -122,7 +153,7 @@ class Worker:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(LOST_ENGINE_JOIN_S if self._lost else None)  # after a lost rank it may never return
         if self.ranks:
             self.ranks.shutdown()
 
@@ -146,12 +177,12 @@ class Worker:
                 log.exception("engine iteration failed")
                 self._fail_everything(f"{type(exc).__name__}: {exc}")
                 for job in jobs:  # embedding calls this iteration took and may not have answered
-                    job.loop.call_soon_threadsafe(_set_future, job.future, None, exc)
+                    _post(job.loop, _set_future, job.future, None, exc)
             if stopping:
                 with self._cond:
                     jobs, self._embed_jobs = self._embed_jobs, []
                 for job in jobs:
-                    job.loop.call_soon_threadsafe(_set_future, job.future, None, RuntimeError("the engine shut down"))
+                    _post(job.loop, _set_future, job.future, None, RuntimeError("the engine shut down"))
                 return
 
     def _iteration(self, new: list[_Request], aborts: list, jobs: list[_EmbedJob]) -> None:
@@ -185,12 +216,12 @@ class Worker:
             vectors = self.embedder.embed([tokens for job in jobs for tokens in job.token_lists]).tolist()
         except Exception as exc:  # noqa: BLE001 - reported to the callers
             for job in jobs:
-                job.loop.call_soon_threadsafe(_set_future, job.future, None, exc)
+                _post(job.loop, _set_future, job.future, None, exc)
             return
         start = 0
         for job in jobs:
             end = start + len(job.token_lists)
-            job.loop.call_soon_threadsafe(_set_future, job.future, vectors[start:end], None)
+            _post(job.loop, _set_future, job.future, vectors[start:end], None)
             start = end
 
     def _deliver(self, results: list[tuple[Sequence, int | None]]) -> None:
@@ -205,12 +236,9 @@ class Worker:
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:
-                    del self._requests[seq.request_id]
+                    self._requests.pop(seq.request_id, None)  # gone already if the engine was lost meanwhile
         for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed; nobody is listening
-                pass
+            _post(loop, _put_all, items)
 
     def _fail_everything(self, error: str) -> None:
         seqs = [request.seq for request in list(self._requests.values()) if not request.seq.is_finished]
@@ -219,6 +247,13 @@ class Worker:
                 self.core.scheduler.abort(seq)
             seq.finish("error", error)
         self._deliver([(seq, None) for seq in seqs])
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # that event loop is closed; nobody is listening
+        pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -6,6 +6,7 @@ and engine come from the environment (see handler/model_source.py and engine/con
 
 import os
 import sys
+import threading
 import time
 
 import daemon_protocol
@@ -15,6 +16,7 @@ from handler.service import Service
 from handler.tokenizer import load_tokenizer
 
 HANDLER_NAMES = ("chat_completions", "tokenize", "embeddings", "models", "stats")
+FATAL_EXIT_GRACE_S = 1.0
 
 
 def main() -> int:
@@ -29,7 +31,7 @@ def main() -> int:
     started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(model.path)
-        worker = Worker(config)
+        worker = Worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         daemon_protocol.error(f"handler: error: cannot load {model.path}: {type(exc).__name__}: {exc}")
         return 1
@@ -44,6 +46,14 @@ def main() -> int:
         return 0
     finally:
         worker.shutdown()
+
+
+def exit_soon(reason: str) -> None:
+    """The engine cannot go on (a tensor-parallel rank died). The Worker has failed the requests in flight;
+    once their error replies are out, the process exits non-zero so that the daemon restarts or reports it
+    (protocol.md, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
+    daemon_protocol.error(f"handler: error: {reason}; exiting")
+    threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(1,)).start()
 
 
 if __name__ == "__main__":

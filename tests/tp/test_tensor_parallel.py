@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -68,7 +69,8 @@ def test_worker_serves_generation_and_embeddings_on_two_ranks(tp_model_path):
     one = LLM(path, device="cpu")
     expected = generate(one, batch)
     expected_vectors = one.core.runner.embed(batch)
-    worker = Worker(EngineConfig(path, device="cpu", tensor_parallel_size=2))
+    reasons = []
+    worker = Worker(EngineConfig(path, device="cpu", tensor_parallel_size=2), on_fatal=reasons.append)
     pids = worker.ranks.pids
 
     async def serve():
@@ -92,6 +94,8 @@ def test_worker_serves_generation_and_embeddings_on_two_ranks(tp_model_path):
     assert outputs == expected
     assert torch.allclose(torch.tensor(vectors), expected_vectors, atol=1e-5)
     assert wait_gone(pids, timeout=0.5) == []
+    time.sleep(0.2)  # the watchdog has seen the ranks go by now
+    assert reasons == []  # ranks stopped by shutdown are not a lost engine
 
 
 def test_heads_not_divisible_fail_before_any_rank_starts(tp_model_path):
@@ -141,3 +145,41 @@ def test_ranks_exit_when_their_parent_is_killed(tp_model_path):
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     assert wait_gone(pids, timeout=5.0) == []
+
+
+def test_a_rank_that_dies_fails_the_requests_and_is_reported(tp_model_path):
+    """A rank's early exit leaves rank 0 waiting in a collective for good (on NCCL; gloo raises instead, so
+    a step that blocks stands in for it): the Worker fails what is in flight and every later call with the
+    reason, and tells on_fatal (the handler then exits)."""
+    reasons = []
+    worker = Worker(EngineConfig(model=tp_model_path("qwen3"), device="cpu", tensor_parallel_size=2),
+                    on_fatal=reasons.append)
+    in_step, release = threading.Event(), threading.Event()
+
+    def step_stuck_in_a_collective():
+        in_step.set()
+        release.wait()
+        return []
+
+    worker.core.step = step_stuck_in_a_collective
+
+    async def main():
+        queue = worker.submit("long", prompts([20])[0], GREEDY)
+        assert await asyncio.to_thread(in_step.wait, 10)
+        os.kill(worker.ranks.pids[0], signal.SIGKILL)
+        output = await asyncio.wait_for(queue.get(), 10)
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            worker.submit("later", [1, 2, 3], GREEDY)
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            await worker.embed([[1, 2, 3]])
+        return output
+
+    try:
+        output = asyncio.run(main())
+    finally:
+        release.set()
+        worker.shutdown()
+    assert output.finish_reason == "error"
+    assert output.error == "tensor-parallel rank 1 exited (exit code -9): the engine cannot go on"
+    assert reasons == [output.error]
+    assert not torch.distributed.is_initialized()
