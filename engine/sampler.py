@@ -38,6 +38,34 @@ class SamplingPlan:
             self.greedy = greedy.bool()
             self.temperature_or_zero = torch.where(self.greedy, 0.0, self.temperature)
         self.one_pass = not (self.uses_min_p or self.uses_top_k_top_p)
+        self.penalty_counts: PenaltyCounts | None = None  # made at the batch's first penalised step
+
+
+class PenaltyCounts:
+    """The token statistics penalties need, for the penalised rows of one batch, kept on the device as long
+    as the batch lasts (its plan's lifetime): which tokens each row's prompt holds, and how often each token
+    occurs in its output. A step counts only the output tokens added since the last, instead of every token
+    of every request."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int, device: torch.device):
+        rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
+        self.rows, self.device = to_device(np.array(rows, dtype=np.int64), device), device
+        params = [seqs[i].params for i in rows]
+        values = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+                          dtype=np.float32).T
+        self.repetition, self.frequency, self.presence = to_device(values, device)
+        prompts = torch.zeros(len(rows), vocab_size + 1, device=device)  # the last column takes the padding
+        add_token_counts(prompts, [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows])
+        self.prompt_seen = prompts[:, :vocab_size] > 0
+        self.output_counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+        self.penalised_seqs = [seqs[i] for i in rows]
+        self.counted = [0] * len(rows)
+
+    def update(self) -> None:
+        """Counts the output tokens each row gained since the last call."""
+        outputs = [seq.output_token_ids for seq in self.penalised_seqs]
+        add_token_counts(self.output_counts, [out[n:] for out, n in zip(outputs, self.counted)])
+        self.counted = [len(out) for out in outputs]
 
 
 class Sampler:
@@ -100,22 +128,19 @@ class Sampler:
         return noise.clamp_(min=1e-20)  # a zero draw would turn a masked token's 0 / 0 into NaN
 
     def apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
-        """Penalised copy of logits; token counts are built on the device from each request's tokens."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
-        output_counts = token_counts([seqs[i].output_token_ids for i in rows], logits.shape[1], self.device)
-        prompt_counts = token_counts([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows],
-                                     logits.shape[1], self.device)
-        values = np.array([(seqs[i].params.repetition_penalty, seqs[i].params.frequency_penalty,
-                            seqs[i].params.presence_penalty) for i in rows], dtype=np.float32).T
-        repetition, frequency, presence = torch.from_numpy(values).to(self.device, non_blocking=True)
-        index = torch.tensor(rows, device=self.device)
-        picked = logits[index]
-        seen = (output_counts + prompt_counts) > 0
-        penalty = torch.where(seen, repetition[:, None], 1.0)
+        """Penalised copy of logits, from the batch's token counts (PenaltyCounts)."""
+        plan = self.plan_for(seqs)
+        if plan.penalty_counts is None:
+            plan.penalty_counts = PenaltyCounts(seqs, logits.shape[1], self.device)
+        counts = plan.penalty_counts
+        counts.update()
+        output_counts = counts.output_counts[:, :logits.shape[1]]
+        picked = logits[counts.rows]
+        penalty = torch.where(counts.prompt_seen | (output_counts > 0), counts.repetition[:, None], 1.0)
         picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-        picked = picked - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+        picked = picked - counts.frequency[:, None] * output_counts - counts.presence[:, None] * (output_counts > 0)
         logits = logits.clone()
-        logits[index] = picked
+        logits[counts.rows] = picked
         return logits
 
 
@@ -126,16 +151,15 @@ def to_device(array: np.ndarray, device: torch.device) -> Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
-    """How often each vocabulary id occurs in each list: [len(token_lists), vocab_size] float32."""
+def add_token_counts(counts: Tensor, token_lists: list[list[int]]) -> None:
+    """Adds how often each vocabulary id occurs in each list to counts [len(token_lists), vocab + 1], whose
+    last column takes the padding."""
     width = max(1, max(len(tokens) for tokens in token_lists))
-    padded = np.full((len(token_lists), width), vocab_size, dtype=np.int64)  # pad into a spill column
+    padded = np.full((len(token_lists), width), counts.shape[1] - 1, dtype=np.int64)
     for row, tokens in enumerate(token_lists):
         padded[row, :len(tokens)] = tokens
-    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
-    ids = torch.from_numpy(padded).to(device, non_blocking=True)
+    ids = to_device(padded, counts.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab_size]
 
 
 def top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

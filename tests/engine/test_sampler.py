@@ -30,6 +30,24 @@ def test_penalties_apply_only_to_requests_that_ask():
     assert logits[1, 2] == 3.0  # the caller's logits are untouched
 
 
+def test_penalty_counts_follow_a_batch_across_steps():
+    """The steps of one batch count only the tokens each request added since the last: the same penalised
+    logits as counting every token afresh, from one PenaltyCounts kept for the batch."""
+    seqs = [make([0, 1], [2], repetition_penalty=1.5, frequency_penalty=0.5), make([3], temperature=0),
+            make([4, 4], presence_penalty=1.0, frequency_penalty=-0.25)]
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.device("cpu"))
+    kept = []
+    for step_tokens in ([3, 1, 5], [2, 2, 4], [5, 0, 4], [0, 0, 0]):
+        incremental = sampler.apply_penalties(logits, seqs)
+        assert torch.equal(incremental, Sampler(torch.device("cpu")).apply_penalties(logits, seqs))
+        kept.append(sampler.plan.penalty_counts)
+        for seq, token in zip(seqs, step_tokens):
+            seq.token_ids.append(token)
+    assert all(counts is kept[0] for counts in kept)
+    assert kept[0].counted == [4, 3]  # the two penalised rows' output tokens when last counted
+
+
 def test_top_k_top_p_masks():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]] * 3)
     out = top_k_top_p(probs, top_k=torch.tensor([0.0, 3.0, 1.0]), top_p=torch.tensor([0.8, 1.0, 1.0]))
