@@ -132,6 +132,7 @@ class Worker:
             self._lost = error
             requests, self._requests, self._new = list(self._requests.values()), {}, []
             jobs, self._embed_jobs = self._embed_jobs, []
+            self._cond.notify()
         for request in requests:
             seq = request.seq
             output = RequestOutput(seq.request_id, [], "error", error, seq.num_prompt_tokens, seq.num_output_tokens,
@@ -162,9 +163,11 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopped or self._new or self._aborts or self._embed_jobs
+                while not (self._stopped or self._lost or self._new or self._aborts or self._embed_jobs
                            or (self.core and self.core.scheduler.has_work())):
                     self._cond.wait()
+                if self._lost:  # its requests have been failed; no step can complete any more
+                    return
                 stopping = self._stopped
                 if stopping:
                     self._aborts.extend(self._requests)

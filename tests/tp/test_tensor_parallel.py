@@ -176,6 +176,9 @@ def test_a_rank_that_dies_fails_the_requests_and_is_reported(tp_model_path):
 
     try:
         output = asyncio.run(main())
+        release.set()
+        worker._thread.join(5)
+        assert not worker._thread.is_alive()  # once out of the stuck step, the engine thread stops
     finally:
         release.set()
         worker.shutdown()
