@@ -8,14 +8,24 @@ from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.tensor_parallel import TensorParallelRanks
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded):
+    def __init__(self, config: EngineConfig, loaded, ranks: TensorParallelRanks | None = None):
+        """ranks: the other tensor-parallel ranks, whose runners start in step with this one's and then
+        follow its calls; stopped if this runner cannot start."""
         self.model = config.model
-        self.runner = ModelRunner(config, loaded)
+        try:
+            self.runner = ModelRunner(config, loaded)
+        except BaseException:
+            if ranks:
+                ranks.shutdown()
+            raise
+        if ranks:
+            ranks.attach(self.runner)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)

@@ -17,15 +17,9 @@ class LLM:
     def __init__(self, model_path: str, **config_overrides):
         self.config = EngineConfig(model=model_path, **config_overrides)
         loaded, self.ranks = load_on_all_ranks(self.config)
-        try:
-            if loaded.kind != "decoder":
-                raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
-            self.core = EngineCore(self.config, loaded)
-        except BaseException:
-            self.shutdown()
-            raise
-        if self.ranks:
-            self.ranks.attach(self.core.runner)
+        if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
+            raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
+        self.core = EngineCore(self.config, loaded, self.ranks)
         self.tokenizer = load_tokenizer(loaded.model_dir)
 
     def shutdown(self) -> None:

@@ -58,7 +58,7 @@ def check_config(config: EngineConfig) -> None:
 
 def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParallelRanks | None"]:
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
-    theirs. Build the runner next (its start-up runs in step with theirs), then attach() it."""
+    theirs. EngineCore takes the ranks next: its runner's start-up runs in step with theirs, then it attaches."""
     check_config(config)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     try:

@@ -61,14 +61,7 @@ class Worker:
             self.core, self.embedder = None, EncoderRunner(config, loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
         else:
-            try:
-                self.core = EngineCore(config, loaded)
-            except BaseException:
-                if self.ranks:
-                    self.ranks.shutdown()
-                raise
-            if self.ranks:
-                self.ranks.attach(self.core.runner)
+            self.core = EngineCore(config, loaded, self.ranks)
             self.embedder = self.core.runner
             self.eos_token_ids, self.max_model_len = self.core.eos_token_ids, self.core.max_model_len
         self._cond = threading.Condition()

@@ -361,7 +361,7 @@ def prefill_attention(q, k_cache, v_cache, meta, scale):
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float):
     """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D].
 
-    The keys and values of this step's tokens must already be in the cache (store_kv_cache first).
+    The keys and values of this step's tokens must already be in the cache (kernels.qkv_prologue stores them).
     """
     if meta.block_tables is None:
         raise ValueError("paged_attention needs meta.block_tables; use varlen_attention without a KV cache")

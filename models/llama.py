@@ -3,8 +3,8 @@
 One class serves all three; the differences are read from the transformers config. Q/K/V and gate/up are
 fused into single projections (the checkpoint's separate tensors are copied into slices at load time), so a
 layer costs few kernel launches. The projections are models/parallel_layers.py's: under tensor parallelism
-each rank holds 1/N of the heads and of the MLP's intermediate features; with one rank they are plain layers. forward() has no host syncs and no branches on tensor values, so the engine
-can capture it in a CUDA graph.
+each rank holds 1/N of the heads and of the MLP's intermediate features; with one rank they are plain layers.
+forward() has no host syncs and no branches on tensor values, so the engine can capture it in a CUDA graph.
 """
 
 import math
