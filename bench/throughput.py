@@ -26,10 +26,13 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
     ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
+                    help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
+    overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap)
+              overlap_steps=not args.no_overlap, **overrides)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:

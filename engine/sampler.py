@@ -82,11 +82,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int = 0) -> Tensor:
-        """logits [N, V] float32, one row per request -> int64 [N] token ids, on the device. ahead: how many
-        tokens each request has drawn beyond its token_ids (a step launched before the last one finished)."""
+        """logits [N, V] (any float dtype; bf16 from a bf16 model), one row per request -> int64 [N] token ids,
+        on the device. ahead: how many tokens each request has drawn beyond its token_ids (a step launched
+        before the last one finished). Every path computes in float32: the argmax and the one-pass kernel read
+        bf16 exactly, the temperature division promotes, penalties take a float32 copy."""
         plan = self.plan_for(seqs)
         if plan.penalised:
-            logits = self.apply_penalties(logits, seqs)
+            logits = self.apply_penalties(logits.float(), seqs)
         if plan.all_greedy:
             return logits.argmax(-1)
         if plan.one_pass:

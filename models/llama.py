@@ -215,12 +215,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
-        """Float32 logits [N, V] for the hidden states of the N tokens that sample (None on tensor-parallel
-        ranks other than 0: only rank 0 samples)."""
+        """Logits [N, V] in the model's dtype for the hidden states of the N tokens that sample (None on
+        tensor-parallel ranks other than 0: only rank 0 samples). The sampler reads them in float32 itself: a
+        float32 copy of a batch's logits costs more than the sampling that most batches do (0.12 ms at 256 rows
+        of a 152k vocabulary on an H100)."""
         if self.lm_head is None:
             raise ValueError("this checkpoint has no LM head (a bare decoder); it can embed but not generate")
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        return self.lm_head(hidden)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -104,3 +104,20 @@ def test_one_pass_draw_of_a_seeded_request_is_keyed_by_position():
     assert draws_ahead == [sampler(logits, [longer]).item()] * 3
     positions = {sampler(logits, [seq], ahead=n).item() for n in range(30)}
     assert len(positions) > 10
+
+
+def test_bf16_logits_sample_as_their_float32_copy():
+    """A bf16 model's logits go to the sampler as they are: every path (greedy, one pass, the full path with
+    min_p / top_k, penalties) draws exactly what it draws from their float32 copy."""
+    logits = (torch.randn(48, 1000, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    batches = {
+        "greedy": lambda: [make([0], temperature=0) for _ in range(48)],
+        "one pass": lambda: [make([0], temperature=0.7, seed=row if row % 2 else None) for row in range(48)],
+        "full": lambda: [make([0], temperature=1.3, min_p=0.01, top_k=400, seed=row) for row in range(48)],
+        "penalised": lambda: [make([0, 5], [7, 7], repetition_penalty=1.3, frequency_penalty=0.4, temperature=0.9,
+                                   seed=row) for row in range(48)],
+    }
+    for name, batch in batches.items():
+        as_bf16 = Sampler(torch.device("cpu"), seed=0)(logits, batch())
+        as_float32 = Sampler(torch.device("cpu"), seed=0)(logits.float(), batch())
+        assert torch.equal(as_bf16, as_float32), name

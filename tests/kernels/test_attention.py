@@ -4,7 +4,13 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only, paged_batch
 
 from kernels import AttentionMetadata, reference
-from kernels.triton_attention import choose_num_splits, decode_attention, paged_attention, varlen_attention
+from kernels.triton_attention import (
+    arrival_counters,
+    choose_num_splits,
+    decode_attention,
+    paged_attention,
+    varlen_attention,
+)
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -42,6 +48,16 @@ def test_decode_split_does_not_trust_max_seqlen_k():
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
     meta.max_seqlen_k = 1
     assert_close(decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=4), expected, torch.float32)
+
+
+def test_split_decode_merges_again_at_every_launch():
+    """The last split of each (sequence, KV head) to finish merges the partials and sets its arrival counter
+    back to zero, so later launches (a captured graph's replays) merge again; counters read zero between."""
+    q, k_cache, v_cache, meta = paged_batch([1, 1, 1], [90, 200, 17], 4, 2, 64, 16, torch.float32)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    for _ in range(3):  # splits of 64 keys: 2, 4 and 1 (written directly) of them
+        assert_close(decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=4), expected, torch.float32)
+        assert not arrival_counters(1, q.device).any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -45,3 +45,13 @@ def test_rejects_strided_vocabulary():
     logits = torch.randn(8, 2, device=DEVICE).t()
     with pytest.raises(ValueError, match="contiguous along the vocabulary"):
         gumbel_argmax(logits, torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_bf16_logits_draw_as_their_float32_copy(name):
+    """The engine passes a bf16 model's logits uncopied: each row draws what it draws from float32 logits."""
+    sample = IMPLEMENTATIONS[name]
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(3)).to(DEVICE).bfloat16()
+    temperature = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 0.0], device=DEVICE)
+    seeds = torch.arange(100, 106, device=DEVICE)
+    assert torch.equal(sample(logits, temperature, seeds), sample(logits.float(), temperature, seeds))
