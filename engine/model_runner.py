@@ -82,6 +82,14 @@ class LaunchedStep:
     continuable: bool  # decode rows that all sample, no penalties: the next step needs nothing from the host
 
 
+def longest_first(seq_lens: np.ndarray, num_rows: int) -> np.ndarray:
+    """The decode rows (the first len(seq_lens)) by decreasing context length, then the rest in order. The
+    decode kernel starts its programs in this order, so the longest sequences do not run on alone at the end
+    of the step (largest work first: 1.7% more KV bandwidth at batch 128-256 on contexts of 100-2,100 tokens,
+    on an H100)."""
+    return np.concatenate((np.argsort(-seq_lens, kind="stable"), np.arange(len(seq_lens), num_rows)))
+
+
 def aligned(count: int) -> int:
     """Where an array of `count` elements ends when every staged array starts at a multiple of 16 elements.
     Triton specialises a kernel on whether each pointer is 16-byte aligned, so packed arrays whose alignment
@@ -194,11 +202,12 @@ class ModelRunner:
 
     def _allocate_step_buffers(self) -> None:
         """int64: input ids, positions, slots (padded steps: one token per row) and logits indices; int32:
-        cu_seqlens and seq_lens, then the block table of max_num_seqs rows at a fixed offset."""
+        cu_seqlens, seq_lens and the decode order, then the block table of max_num_seqs rows at a fixed
+        offset."""
         max_rows, width = self.config.max_num_seqs, self.max_blocks_per_seq
         max_tokens = max(self.config.max_num_batched_tokens, max_rows)
         self.longs = StagingBuffer(3 * aligned(max_tokens) + max_rows, torch.int64, self.device)
-        self.table_offset = aligned(aligned(max_rows + 1) + max_rows)
+        self.table_offset = aligned(aligned(aligned(max_rows + 1) + max_rows) + max_rows)
         self.ints = StagingBuffer(self.table_offset + max_rows * width, torch.int32, self.device)
         self.block_tables = self.ints.array[self.table_offset:].reshape(max_rows, width)
         self.table_owners: list[list[int] | None] = [None] * max_rows  # the block-table list each row holds
@@ -209,16 +218,18 @@ class ModelRunner:
             self.num_launched = 0
 
     def _device_inputs(self, num_tokens: int, num_rows: int, num_logits: int) -> tuple[Tensor, ...]:
-        """Device views of a staged step: input ids, positions, slots, logits indices, cu_seqlens, seq_lens and
-        block tables. A captured graph reads those of a padded step of its size, at fixed addresses."""
+        """Device views of a staged step: input ids, positions, slots, logits indices, cu_seqlens, seq_lens,
+        decode order and block tables. A captured graph reads those of a padded step of its size, at fixed
+        addresses."""
         longs, ints = self.longs.device, self.ints.device
         tokens_at, lens_at = aligned(num_tokens), aligned(num_rows + 1)
         ids, positions, slots = (longs[i * tokens_at:i * tokens_at + num_tokens] for i in range(3))
         logits = longs[3 * tokens_at:3 * tokens_at + num_logits]
         cu_seqlens, seq_lens = ints[:num_rows + 1], ints[lens_at:lens_at + num_rows]
+        order_at = lens_at + aligned(num_rows)
         width = self.max_blocks_per_seq
         tables = self.ints.device[self.table_offset:self.table_offset + num_rows * width].view(num_rows, width)
-        return ids, positions, slots, logits, cu_seqlens, seq_lens, tables
+        return ids, positions, slots, logits, cu_seqlens, seq_lens, ints[order_at:order_at + num_rows], tables
 
     def _stage_block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """The staged block table with rows 0..len(seqs)-1 brought up to date. A block table only grows by
@@ -279,23 +290,28 @@ class ModelRunner:
         ints[lens_at:lens_at + num_seqs] = seq_lens
         ints[lens_at + num_seqs:lens_at + num_rows] = 1
         columns = -(-int(seq_lens.max(initial=0)) // self.block_size)
+        is_decode = graph.is_decode if graph else bool((counts == 1).all())
+        order_at = lens_at + aligned(num_rows)
+        if is_decode:
+            ints[order_at:order_at + num_rows] = longest_first(seq_lens, num_rows)
         return StagedStep(
             size, num_rows, num_logits,
             max_seqlen_q=size if graph and not graph.is_decode else max(num_tokens, default=1),
             max_seqlen_k=self.max_model_len if graph else int(seq_lens.max()),  # a graph serves any length
-            is_decode=graph.is_decode if graph else bool((counts == 1).all()),
+            is_decode=is_decode,
             logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
             sample_rows=np.flatnonzero(samples).tolist(), graph=graph, follows=follows is not None,
-            host=(longs[:3 * tokens_at + num_logits], ints[:lens_at + num_rows], tables[:num_rows, :columns]))
+            host=(longs[:3 * tokens_at + num_logits], ints[:order_at + num_rows], tables[:num_rows, :columns]))
 
     def _upload(self, staged: StagedStep) -> StepInputs:
         size, num_rows, num_logits = staged.num_tokens, staged.num_rows, staged.num_logits
         self.longs.upload(3 * aligned(size) + num_logits)
         self.ints.upload(self.table_offset + num_rows * self.max_blocks_per_seq)
-        ids, pos, slots, logits, cu, lens, block_tables = self._device_inputs(size, num_rows, num_logits)
+        ids, pos, slots, logits, cu, lens, order, block_tables = self._device_inputs(size, num_rows, num_logits)
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables,
-            max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, is_decode=staged.is_decode)
+            max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, is_decode=staged.is_decode,
+            seq_order=order)
         return StepInputs(ids, pos, meta, slice(0, num_logits) if staged.logits_lead else logits, staged.sample_rows)
 
     def _restage(self, staged: StagedStep) -> None:

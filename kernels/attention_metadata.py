@@ -20,3 +20,4 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool  # every sequence has exactly one query token
+    seq_order: Tensor | None = None  # int32 [B], decode: the rows, longest context first (the order they start in)

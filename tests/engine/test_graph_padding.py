@@ -22,11 +22,11 @@ class EagerReplay:
 
     def replay(self) -> None:
         runner, shape = self.runner, self.shape
-        ids, positions, slots, _, cu_seqlens, seq_lens, tables = runner._device_inputs(
+        ids, positions, slots, _, cu_seqlens, seq_lens, order, tables = runner._device_inputs(
             shape.num_tokens, shape.num_rows, 0)
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
                                  block_tables=tables, max_seqlen_q=1 if shape.is_decode else shape.num_tokens,
-                                 max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode)
+                                 max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode, seq_order=order)
         runner.graph_hidden[:shape.num_tokens] = runner.model(ids, positions, meta)
         self.replays += 1
 
@@ -91,3 +91,29 @@ def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
     prompts = prompts_of_lengths([3, 10, 21])
     assert ([out["token_ids"] for out in llm.generate(prompts, GREEDY)]
             == [tiny_llama.greedy(prompt, NEW) for prompt in prompts])
+
+
+def test_decode_rows_are_ordered_longest_context_first(tiny_llama, prompts_of_lengths):
+    """Every decode step stages the order the decode kernel starts its rows in: its sequences by decreasing
+    context length, then its padding rows as they are."""
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=24)
+    runner, orders = llm.core.runner, []
+    upload = runner._upload
+
+    def recording_upload(staged):
+        step = upload(staged)
+        if staged.is_decode:
+            rows = len(staged.sample_rows)  # every sequence of a decode step samples; padding rows do not
+            orders.append((step.meta.seq_lens.tolist(), step.meta.seq_order.tolist(), rows))
+        return step
+
+    runner._upload = recording_upload
+    prompts = prompts_of_lengths([5, 30, 1, 40, 12])
+    assert ([out["token_ids"] for out in llm.generate(prompts, GREEDY)]
+            == [tiny_llama.greedy(prompt, NEW) for prompt in prompts])
+    for seq_lens, order, rows in orders:
+        assert sorted(order[:rows]) == list(range(rows)) and order[rows:] == list(range(rows, len(seq_lens)))
+        ordered = [seq_lens[row] for row in order[:rows]]
+        assert ordered == sorted(ordered, reverse=True)
+    assert any(rows > 1 and seq_lens[:rows] != sorted(seq_lens[:rows], reverse=True)
+               for seq_lens, _, rows in orders)  # some step's rows were not already in order
