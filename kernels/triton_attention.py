@@ -11,6 +11,8 @@ once per KV head and multiplied against every query head that shares it.
   (a merge kernel of its own cost 2-4 us per layer, 0.05-0.1 ms per step on an H100). A split is a chunk of
   the batch's longest context, found on the device from seq_lens, so the result never depends on
   meta.max_seqlen_k being exact (a CUDA graph captured at one length replays correctly at another).
+  meta.seq_order, when given, is the order the sequences' programs start in (the engine stages longest
+  context first, so short programs fill the end of the step).
 - prefill/mixed: one program per (query tile, KV head), the tiles numbered across the batch; each program
   finds its sequence from cu_seqlens, so the grid depends only on the token and sequence counts (a step
   padded to a captured shape replays correctly; padding tokens that no sequence owns are left unwritten).
