@@ -106,6 +106,7 @@ def _decode_kernel(
     rows = tl.arange(0, GROUP_BLOCK)
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
+    out_group = out_ptr + seq.to(tl.int64) * stride_ot + kv_head * GROUP * stride_oh  # the group's output heads
     chunk = seq_len
     if SPLIT:
         # Every split is a chunk of the batch's longest context: a sequence takes as many as its length
@@ -142,16 +143,15 @@ def _decode_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if seq_len <= chunk:  # one split holds the whole context: the output is final
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_group + rows[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
     else:
-        part_rows = (seq.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
+        first_row = (seq.to(tl.int64) * num_kv_heads + kv_head) * GROUP * num_splits  # group's first head, split 0
+        part_rows = first_row + rows * num_splits + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=row_mask)
-        _merge_if_last(arrivals_ptr + seq * num_kv_heads + kv_head, part_out_ptr, part_lse_ptr,
-                       out_ptr + seq.to(tl.int64) * stride_ot + kv_head * GROUP * stride_oh,
-                       (seq.to(tl.int64) * num_kv_heads + kv_head) * GROUP * num_splits, tl.cdiv(seq_len, chunk),
-                       num_splits, stride_oh, GROUP, HEAD_DIM, SPLITS_BLOCK)
+        _merge_if_last(arrivals_ptr + seq * num_kv_heads + kv_head, part_out_ptr, part_lse_ptr, out_group, first_row,
+                       tl.cdiv(seq_len, chunk), num_splits, stride_oh, GROUP, HEAD_DIM, SPLITS_BLOCK)
 
 
 @triton.jit
