@@ -17,6 +17,7 @@ from kernels.attention_metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "linear",
     "paged_attention",
     "varlen_attention",
     "rms_norm",
@@ -38,12 +39,14 @@ def _backend(device_type: str) -> SimpleNamespace:
     from kernels import (
         triton_activation,
         triton_attention,
+        triton_linear,
         triton_norm,
         triton_prologue,
         triton_sampling,
     )
 
     backend = SimpleNamespace(
+        linear=triton_linear.decode_linear,
         paged_attention=triton_attention.paged_attention,
         varlen_attention=triton_attention.varlen_attention,
         rms_norm=triton_norm.rms_norm,
@@ -89,6 +92,11 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
     return SimpleNamespace(
         **{**vars(backend), "paged_attention": paged_attention, "varlen_attention": varlen_attention}
     )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ bias): on CUDA our split-K Triton GEMM at decode sizes, cuBLAS above them."""
+    return _backend_of(x).linear(x, weight, bias)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

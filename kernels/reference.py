@@ -79,6 +79,10 @@ def varlen_attention(
     return out
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [T, H] scaled to unit root-mean-square (in float32), cast back, times weight (as transformers does)."""
     x32 = x.float()

@@ -3,9 +3,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -27,5 +32,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4, **launch_options(x2))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)

@@ -22,11 +22,13 @@ once per KV head and multiplied against every query head that shares it.
 
 Grids and scratch shapes come from host-side values only (no .item()), so every path can be graph-captured.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -92,7 +94,10 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     # Programs start in grid order: a sequence's KV heads (which share each cache row) side by side, then its
     # splits, then the next sequence, longest context first when ORDERED, so the last programs are short.
     kv_head = tl.program_id(0)
@@ -160,9 +165,7 @@ def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row,
     """Counts this split's arrival; the last of the num_used splits of its (sequence, KV head) merges all
     their partial outputs by log-sum-exp (the result does not depend on which split came last) and sets the
     counter back to zero for the next launch. first_row: the group's first head's partial row of split 0."""
-    tl.debug_barrier()  # every thread's partial stores come before the arrival (released by the atomic)
-    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") == num_used - 1:
-        tl.store(arrivals_ptr, 0)
+    if is_last_arrival(arrivals_ptr, num_used):
         splits = tl.arange(0, SPLITS_BLOCK)
         used = splits < num_used
         dims = tl.arange(0, HEAD_DIM)
@@ -182,8 +185,10 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQS_BLOCK: tl.constexpr,
+    SEQS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     # KV heads fastest: the heads of one tile, which share each cache row, run side by side (8% faster than
     # tiles fastest on an 8,192-token prefill); one grid axis, since tiles can pass the 65,535 of the others.
@@ -240,16 +245,9 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _occupancy(device: torch.device) -> int:
     """Programs that fill the GPU: two waves."""
-    return 2 * _num_sms(device)
+    return 2 * num_sms(device)
 
 
 def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
@@ -322,22 +320,9 @@ def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered,
         num_warps=4, num_stages=2,  # the fastest at batch 64-256 on contexts of 100-2,100 tokens on an H100
+        **launch_options(q),
     )
     return out
-
-
-_arrival_buffers: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` int32 counters of split arrivals, zero between launches: the last split of each
-    (sequence, KV head) sets its counter back to zero, so one buffer serves every step and every captured
-    CUDA graph. A larger batch gets a larger buffer; the smaller ones stay allocated for the graphs that
-    captured them. A graph's warm-up step allocates what its capture then uses."""
-    buffers = _arrival_buffers.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
@@ -362,7 +347,7 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
         block_tables.stride(0) if paged else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype),
-        SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), num_warps=4, num_stages=2,
+        SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 

@@ -5,13 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     stride_x, stride_r, stride_o, stride_nr, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -57,6 +61,7 @@ def _launch(x, residual, weight, eps):
             x2, r2, weight, out, new_residual,
             x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0), eps,
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+            **launch_options(x2),
         )
     if x.dim() == 2:
         return out, new_residual

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _normed_rotated_halves(src, heads, mask, norm_ptr, cos, sin, eps,
@@ -82,11 +84,13 @@ def _prologue_kernel(
     q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, stride_qkv, stride_cs, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
     KV_HEADS_BLOCK: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-    RETURN_K: tl.constexpr,
+    RETURN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, part): part 0 rotates the token's q heads, 1 its k heads, 2 copies its v heads.
     Each part is a function of its own: compiled Triton refuses a runtime branch whose two sides bind one
     name to tensors of different shapes."""
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     row = qkv_ptr + token * stride_qkv
@@ -135,7 +139,7 @@ def qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_
             k_cache if store else q, v_cache if store else q, qkv.stride(0), cos_sin_cache.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_BLOCK=triton.next_power_of_2(num_heads),
             KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), HALF=half, HAS_NORM=q_norm_weight is not None,
-            STORE=store, RETURN_K=return_kv, num_warps=4,
+            STORE=store, RETURN_K=return_kv, num_warps=4, **launch_options(qkv),
         )
     if not return_kv:
         return q, None, None

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import linear
+
 
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -107,7 +109,7 @@ class ColumnParallelLinear(ParallelModule):
         copy_part(param.data, loaded, 0, self.tp_rank, self.tp_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -138,7 +140,7 @@ class RowParallelLinear(ParallelModule):
         copy_part(param.data, loaded, 1, self.tp_rank, self.tp_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -4,8 +4,8 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only, paged_batch
 
 from kernels import AttentionMetadata, reference
+from kernels.split_arrivals import arrival_counters
 from kernels.triton_attention import (
-    arrival_counters,
     choose_num_splits,
     decode_attention,
     paged_attention,

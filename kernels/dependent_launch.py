@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (Hopper and later): a kernel may start while the one before it on the stream
+is finishing, so the launch and ramp-up of each of a decode step's ~300 small kernels overlap the tail of the
+previous one (a 28-layer chain of norms and decode-size GEMMs: 8-20% faster on an H100).
+
+The contract, kept by every kernel launched with `launch_options`: `wait_for_previous` comes before its
+first access to memory that another kernel writes or reads (it returns once the previous kernel has finished
+and its writes are visible, and since that kernel had waited in turn, once all earlier work has), and
+`release_next` lets the next kernel launch. Kernels launched without the option (cuBLAS, torch) start only
+after the previous kernel ends, as always.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_options(tensor: torch.Tensor) -> dict:
+    """Keyword arguments for a Triton launch on tensor's device: USE_PDL for the kernel, and launch_pdl."""
+    if tensor.is_cuda and _supported(tensor.get_device()):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_next(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()

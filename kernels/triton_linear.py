@@ -1,0 +1,113 @@
+"""Triton y = x W^T (+ b) for the few rows of a decode step, split along K.
+
+At decode sizes a projection is a read of its weight. cuBLAS tiles such a GEMM by its output only: with
+N = 1,024 outputs that is 8-16 programs on an H100's 132 SMs, and it reads the weight at 0.65-0.9 TB/s.
+Here each output tile's K range is cut into SPLIT_K parts, one program each, enough to fill the GPU. Every
+part stores its float32 partial product; the last part of a tile to arrive adds them all in split order
+(the result does not depend on arrival order) and stores the tile. With programmatic dependent launch
+(kernels/dependent_launch.py), a 28-layer chain of norms and these GEMMs runs 8-20% faster than with cuBLAS
+at 1-128 rows (H100); at 256 rows cuBLAS's own tiles fill the GPU and it is as fast, so larger batches and
+prefill stay on cuBLAS.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
+
+MAX_ROWS = 128
+MAX_SPLIT_K = 4
+TILE_K = 128
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, stride_xm, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    split = pid % SPLIT_K  # a tile's parts run side by side, so its last arrival waits least
+    tile = pid // SPLIT_K
+    num_col_tiles = tl.cdiv(N, BLOCK_N)
+    rows = (tile // num_col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tile % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_len = K // SPLIT_K
+    ks = split * k_len + tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None] * K + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_for_previous(USE_PDL)
+    for _ in range(0, k_len, BLOCK_K):
+        x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    release_next(USE_PDL)  # after the loop: at 64-128 rows, 8% faster than at the start
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, HAS_BIAS)
+    else:
+        part_offsets = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + split * M * N + part_offsets, acc, mask=mask)
+        if is_last_arrival(arrivals_ptr + tile, SPLIT_K):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for part in range(SPLIT_K):
+                acc += tl.load(part_ptr + part * M * N + part_offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) with config = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages); K must be a multiple of SPLIT_K * BLOCK_K."""
+    block_m, block_n, block_k, split_k, num_warps, num_stages = config
+    (m, k), n = x.shape, weight.shape[0]
+    if k % (split_k * block_k) or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"triton linear: K={k} must be a multiple of {split_k} x {block_k}, with x's rows and the "
+                         "weight contiguous")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    part = arrivals = out
+    if split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(tiles, x.device)
+    _linear_kernel[(tiles * split_k,)](
+        x, weight, bias if bias is not None else out, out, part, arrivals, m, n, k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        **launch_options(x),
+    )
+    return out
+
+
+def choose_config(m: int, n: int, k: int, sms: int) -> tuple | None:
+    """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, or K
+    not a multiple of TILE_K). Tiles of 16 rows up to 16 rows, else 64, and 32 columns; K split in two or four
+    while the programs still fit in one wave (the fastest configs of an H100 sweep over the Qwen3-0.6B
+    projections at 1-128 rows: .carry/splitk_sweep.py in the 5th session's bench/RESULTS.md)."""
+    if not 0 < m <= MAX_ROWS or k % TILE_K:
+        return None
+    block_m, block_n = (16 if m <= 16 else 64), 32
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = 1
+    while split_k < MAX_SPLIT_K and 2 * split_k * tiles <= sms and k % (2 * split_k * TILE_K) == 0:
+        split_k *= 2
+    return block_m, block_n, TILE_K, split_k, 4, 4
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, through this kernel where choose_config picks it for a 2-D x with contiguous rows."""
+    config = None
+    if x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
+        config = choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device))
+    return F.linear(x, weight, bias) if config is None else linear(x, weight, bias, config)

@@ -1,0 +1,90 @@
+"""The split-K Triton linear against F.linear in float32, and the rule that picks its config."""
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only
+
+from kernels import linear as dispatched_linear
+from kernels.split_arrivals import arrival_counters
+from kernels.triton_linear import MAX_ROWS, choose_config, decode_linear, linear
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
+# (rows, outputs, K, config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)): row and column tiles cut
+# short by masks, K split in 1-4 parts, several row tiles.
+CASES = [
+    (1, 40, 64, (16, 16, 16, 4, 4, 2)),
+    (5, 48, 64, (16, 32, 32, 2, 4, 2)),
+    (17, 64, 128, (16, 16, 32, 1, 4, 2)),
+    (33, 30, 96, (16, 16, 16, 3, 4, 2)),
+    *cuda_only((64, 1024, 2048, (64, 32, 128, 4, 4, 4)), (128, 4096, 1024, (64, 32, 128, 1, 4, 4))),
+]
+
+
+def _inputs(m, n, k, dtype):
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_linear_matches_torch(m, n, k, config, dtype, with_bias):
+    x, weight, bias = _inputs(m, n, k, dtype)
+    bias = bias if with_bias else None
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+    assert_close(linear(x, weight, bias, config), expected, dtype)
+
+
+def test_split_k_counters_return_to_zero_at_every_launch():
+    """The last part of each tile adds the partials and resets its counter, so the next launch (a graph's
+    replay) adds again; a counter left at a count would make later launches skip or repeat the sum."""
+    x, weight, _ = _inputs(20, 48, 128, torch.float32)
+    expected = F.linear(x, weight)
+    for _ in range(3):
+        assert_close(linear(x, weight, None, (16, 16, 32, 4, 4, 2)), expected, torch.float32)
+        assert not arrival_counters(1, x.device).any()
+
+
+def test_linear_reads_strided_rows():
+    """A row stride larger than K (a slice of a wider activation) is read as such."""
+    wide, weight, _ = _inputs(6, 32, 128, torch.float32)
+    x = wide[:, :64]
+    assert_close(linear(x, weight[:, :64].contiguous(), None, (16, 16, 16, 2, 4, 2)), F.linear(x, weight[:, :64]),
+                 torch.float32)
+
+
+def test_linear_rejects_k_not_divisible_by_its_split():
+    x, weight, _ = _inputs(2, 16, 48, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 2 x 32"):
+        linear(x, weight, None, (16, 16, 32, 2, 4, 2))
+
+
+@pytest.mark.parametrize("m,n,k,expected", [
+    (1, 1024, 2048, (16, 32, 128, 4, 4, 4)),    # 32 tiles: four parts fill 128 of 132 SMs
+    (64, 1024, 3072, (64, 32, 128, 4, 4, 4)),
+    (128, 1024, 2048, (64, 32, 128, 2, 4, 4)),  # 64 tiles: two parts
+    (16, 4096, 1024, (16, 32, 128, 1, 4, 4)),   # 128 tiles fill the GPU alone
+    (24, 1024, 384, (64, 32, 128, 1, 4, 4)),    # K = 3 x 128 splits in neither 2 nor 4
+])
+def test_config_fills_one_wave(m, n, k, expected):
+    assert choose_config(m, n, k, sms=132) == expected
+
+
+@pytest.mark.parametrize("m,k", [(MAX_ROWS + 1, 1024), (8, 1000), (0, 1024)])
+def test_config_leaves_large_batches_odd_k_and_no_rows_to_cublas(m, k):
+    assert choose_config(m, 1024, k, sms=132) is None
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_dispatched_linear_matches_torch(m):
+    """kernels.linear: the Triton kernel where the config rule picks it (on CUDA), the reference on CPU;
+    either way F.linear's result, bias included, for contiguous and transposed inputs."""
+    x, weight, bias = _inputs(m, 64, 256, torch.float32)
+    expected = F.linear(x, weight, bias)
+    assert_close(dispatched_linear(x, weight, bias), expected, torch.float32)
+    assert_close(decode_linear(x, weight, bias), expected, torch.float32)
+    x_t = x.t().contiguous().t()  # column-major rows: not this kernel's layout, so cuBLAS
+    assert_close(decode_linear(x_t, weight, bias), expected, torch.float32)
