@@ -1,14 +1,18 @@
-"""How many programs fill the GPU, and counters that let the last of several programs finish a result they each computed part of (split-K
-partial products, flash-decoding splits), inside the kernel that computed the parts: no second launch.
+"""How many programs fill the GPU, and counters that let the last of several programs finish a result they
+each computed part of (split-K partial products, flash-decoding splits), inside the kernel that computed the
+parts: no second launch.
 
 Every counter is zero between launches, because the last arrival sets it back; so one buffer serves every
-kernel, step and captured CUDA graph on a device (launches on one stream do not overlap).
+kernel, step and captured CUDA graph on a device. Launches on one stream may overlap (programmatic dependent
+launch), but a kernel touches the counters only after the one before it has finished (the contract of
+kernels/dependent_launch.py).
 """
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
