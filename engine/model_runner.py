@@ -145,6 +145,8 @@ class ModelRunner:
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         if self.can_generate:
             self._allocate_step_buffers()
+            if self.device.type == "cuda":
+                self._warm_lm_head()
             if self.device.type == "cuda" and not config.enforce_eager:
                 self._capture_graphs()
 
@@ -196,6 +198,17 @@ class ModelRunner:
             torch.softmax(logits, -1).argmax(-1)
             gumbel_argmax(logits, torch.zeros(num_rows, device=self.device),
                           torch.zeros(num_rows, dtype=torch.int64, device=self.device))
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _warm_lm_head(self) -> None:
+        """Runs the LM head once at every row count a step can sample. cuBLAS's first GEMM of a shape it has
+        not run holds the host until the device is idle: on an H100, 5-15 ms each time a shrinking decode
+        batch reached such a size (18 times in bench/throughput.py's first run), each time stalling the step
+        launched ahead of the running one."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, self.config.max_num_seqs + 1):
+            self.model.compute_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
 
     # ---- step inputs ----------------------------------------------------------------------------

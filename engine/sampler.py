@@ -16,6 +16,7 @@ from torch import Tensor
 
 import kernels
 from engine.sequence import Sequence
+from engine.upload_ring import UploadRing
 
 INT63 = 2**63
 
@@ -23,7 +24,7 @@ INT63 = 2**63
 class SamplingPlan:
     """What one batch of requests asks of the sampler, with its per-row parameters already on the device."""
 
-    def __init__(self, seqs: list[Sequence], device: torch.device):
+    def __init__(self, seqs: list[Sequence], uploads: UploadRing):
         params = [seq.params for seq in seqs]
         self.penalised = any(p.penalised for p in params)
         self.all_greedy = all(p.greedy for p in params)
@@ -34,7 +35,7 @@ class SamplingPlan:
         if not self.all_greedy:
             values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
                                for p in params], dtype=np.float32).T
-            self.temperature, self.top_p, self.min_p, self.top_k, greedy = to_device(values, device)
+            self.temperature, self.top_p, self.min_p, self.top_k, greedy = uploads.upload(values)
             self.greedy = greedy.bool()
             self.temperature_or_zero = torch.where(self.greedy, 0.0, self.temperature)
         self.one_pass = not (self.uses_min_p or self.uses_top_k_top_p)
@@ -47,24 +48,24 @@ class PenaltyCounts:
     occurs in its output. A step counts only the output tokens added since the last, instead of every token
     of every request."""
 
-    def __init__(self, seqs: list[Sequence], vocab_size: int, device: torch.device):
+    def __init__(self, seqs: list[Sequence], vocab_size: int, uploads: UploadRing):
         rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
-        self.rows, self.device = to_device(np.array(rows, dtype=np.int64), device), device
+        self.rows, self.uploads = uploads.upload(np.array(rows, dtype=np.int64)), uploads
         params = [seqs[i].params for i in rows]
         values = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                           dtype=np.float32).T
-        self.repetition, self.frequency, self.presence = to_device(values, device)
-        prompts = torch.zeros(len(rows), vocab_size + 1, device=device)  # the last column takes the padding
-        add_token_counts(prompts, [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows])
+        self.repetition, self.frequency, self.presence = uploads.upload(values)
+        prompts = torch.zeros(len(rows), vocab_size + 1, device=uploads.device)  # the last column takes the padding
+        add_token_counts(prompts, [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows], uploads)
         self.prompt_seen = prompts[:, :vocab_size] > 0
-        self.output_counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+        self.output_counts = torch.zeros(len(rows), vocab_size + 1, device=uploads.device)
         self.penalised_seqs = [seqs[i] for i in rows]
         self.counted = [0] * len(rows)
 
     def update(self) -> None:
         """Counts the output tokens each row gained since the last call."""
         outputs = [seq.output_token_ids for seq in self.penalised_seqs]
-        add_token_counts(self.output_counts, [out[n:] for out, n in zip(outputs, self.counted)])
+        add_token_counts(self.output_counts, [out[n:] for out, n in zip(outputs, self.counted)], self.uploads)
         self.counted = [len(out) for out in outputs]
 
 
@@ -77,6 +78,7 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self.row_seed_source = np.random.default_rng(seed)
+        self.uploads = UploadRing(device)
         self.planned_seqs: list[Sequence] = []
         self.plan: SamplingPlan | None = None
 
@@ -107,7 +109,7 @@ class Sampler:
     def plan_for(self, seqs: list[Sequence]) -> SamplingPlan:
         """The batch's plan, rebuilt only when the batch changes (decode steps mostly repeat the last one)."""
         if seqs != self.planned_seqs:  # identity per element: a C loop, no Python per request
-            self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.device)
+            self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.uploads)
         return self.plan
 
     def sample_in_one_pass(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int) -> Tensor:
@@ -117,7 +119,7 @@ class Sampler:
         for row in plan.seeded_rows:
             seq = seqs[row]
             seeds[row] = (seq.params.seed * 0x9E3779B97F4A7C15 + (len(seq) + ahead) * 0xBF58476D1CE4E5B9) % INT63
-        return kernels.gumbel_argmax(logits, plan.temperature_or_zero, to_device(seeds, self.device))
+        return kernels.gumbel_argmax(logits, plan.temperature_or_zero, self.uploads.upload(seeds))
 
     def exponential_noise(self, probs: Tensor, seqs: list[Sequence], seeded_rows: list[int]) -> Tensor:
         """Exp(1) noise; the rows of seeded requests draw from their own generators."""
@@ -133,7 +135,7 @@ class Sampler:
         """Penalised copy of logits, from the batch's token counts (PenaltyCounts)."""
         plan = self.plan_for(seqs)
         if plan.penalty_counts is None:
-            plan.penalty_counts = PenaltyCounts(seqs, logits.shape[1], self.device)
+            plan.penalty_counts = PenaltyCounts(seqs, logits.shape[1], self.uploads)
         counts = plan.penalty_counts
         counts.update()
         output_counts = counts.output_counts[:, :logits.shape[1]]
@@ -146,21 +148,14 @@ class Sampler:
         return logits
 
 
-def to_device(array: np.ndarray, device: torch.device) -> Tensor:
-    """Through pinned memory on CUDA: a copy from pageable memory would first wait for the work queued on
-    the device, stalling the engine when it launches a step ahead of the one running."""
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
-
-
-def add_token_counts(counts: Tensor, token_lists: list[list[int]]) -> None:
+def add_token_counts(counts: Tensor, token_lists: list[list[int]], uploads: UploadRing) -> None:
     """Adds how often each vocabulary id occurs in each list to counts [len(token_lists), vocab + 1], whose
     last column takes the padding."""
     width = max(1, max(len(tokens) for tokens in token_lists))
     padded = np.full((len(token_lists), width), counts.shape[1] - 1, dtype=np.int64)
     for row, tokens in enumerate(token_lists):
         padded[row, :len(tokens)] = tokens
-    ids = to_device(padded, counts.device)
+    ids = uploads.upload(padded)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
