@@ -1,11 +1,12 @@
 """Small host arrays to the device through pinned buffers allocated once.
 
 `tensor.pin_memory().to(device, non_blocking=True)` asks torch's caching host allocator for page-locked
-memory on every call. Whenever it has no free block of the size asked for (a new batch size, or its blocks
-still in flight) it allocates some (cudaHostAlloc), which can hold the host for a whole decode step: about
-ten stalls of 3-13 ms per bench/throughput.py run on an H100, each delaying the step the engine launches
-ahead of the one running; none with this ring. The ring cycles through a few pinned buffers; a buffer is
-refilled only once the copy from it has finished, which with several buffers in the ring happened steps ago.
+memory on every call, and allocates more (cudaHostAlloc) whenever it has no free block of the size asked for
+(a new batch size, or its blocks still in flight). With the sampler uploading that way, bench/throughput.py
+on an H100 showed about ten host stalls of 3-13 ms per run at batch changes, each delaying the step the
+engine launches ahead of the one running; with this ring, none. The ring cycles through a few pinned
+buffers; a buffer is refilled only once the copy from it has finished, which with several buffers in the
+ring happened steps ago.
 """
 import numpy as np
 import torch
@@ -29,15 +30,13 @@ class UploadRing:
         itself as a tensor)."""
         if not self.on_cuda:
             return torch.from_numpy(array)
-        array = np.ascontiguousarray(array)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
         index = self.next_slot
         self.next_slot = (index + 1) % len(self.slots)
         self.copied[index].synchronize()
-        if array.nbytes > self.slots[index].numel():
-            self.slots[index] = torch.empty(array.nbytes, dtype=torch.uint8, pin_memory=True)
-        host = self.slots[index][:array.nbytes]
-        host.numpy()[:] = array.reshape(-1).view(np.uint8)
-        dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
-        out = host.view(dtype).view(array.shape).to(self.device, non_blocking=True)
+        if tensor.nbytes > self.slots[index].numel():
+            self.slots[index] = torch.empty(tensor.nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = self.slots[index][:tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        out = staged.to(self.device, non_blocking=True)
         self.copied[index].record()
         return out
