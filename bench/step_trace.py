@@ -32,9 +32,9 @@ class StepTrace:
             self.steps.append((time.perf_counter() - start, list(self.launches)))
             return result
 
-        def recorded_launch(seqs, num_tokens, follows=None):
+        def recorded_launch(seqs, num_tokens, *ahead_and_follows):
             self.launches.append((len(seqs), sum(num_tokens), sum(len(seq) for seq in seqs)))
-            return launch(seqs, num_tokens, follows)
+            return launch(seqs, num_tokens, *ahead_and_follows)
 
         core.step, runner.launch = timed_step, recorded_launch
 

@@ -56,19 +56,18 @@ class EngineCore:
         but not those that finished while it ran; a step that raises finishes its requests with
         finish_reason "error".
 
-        With overlap on, a decode step whose continuation is the plain next step (see
-        Scheduler.schedule_ahead) launches that continuation before reading its own sampled ids, which the
-        continuation takes on the device: the host applies step N while the device computes step N+1, and
-        step N+1 is returned by the next call. Rows of requests that step N finished compute one token
-        that is thrown away."""
+        With overlap on, the next step is scheduled (Scheduler.schedule_ahead) and launched before this one's
+        sampled ids are read; it takes them on the device. The host applies step N while the device computes
+        step N+1, which the next call returns. Rows of requests that step N finished compute one token that
+        is thrown away."""
         launched, self.in_flight = self.in_flight, None
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
             return []
         try:
             launched = launched or self.runner.launch(seqs, num_tokens)
-            if self.overlap and launched.continuable:
-                self.in_flight = self._launch_continuation(launched)
+            if self.overlap and launched.plannable:
+                self.in_flight = self._launch_next(launched)
             sampled = self.runner.finish(launched)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
@@ -78,14 +77,14 @@ class EngineCore:
             return [(seq, None) for seq in failed]
         return self.scheduler.update(seqs, num_tokens, sampled)
 
-    def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
-        """The next step, launched one token ahead of `launched` for each request it did not finish, or
-        None when the scheduler would make another step."""
-        rows = [row for row, seq in enumerate(launched.seqs) if not seq.is_finished]  # aborts, last step's stops
-        seqs = launched.seqs if len(rows) == len(launched.seqs) else [launched.seqs[row] for row in rows]
-        if not seqs or not self.scheduler.schedule_ahead(seqs):
+    def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """The step after `launched`, launched before its sampled ids are read, or None when the scheduler
+        must wait for them."""
+        planned = self.scheduler.schedule_ahead(launched.seqs, launched.num_tokens, launched.sample_rows)
+        if planned is None or not planned[0]:
             return None
-        return self.runner.launch(seqs, [1] * len(seqs), follows=rows)
+        seqs, num_tokens, ahead, follows = planned
+        return self.runner.launch(seqs, num_tokens, ahead, follows)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -10,9 +10,10 @@ forward costs more host time than a prefill of that size takes on the GPU. Each 
 table remembers which sequence's table it holds, so a decode step writes only blocks that are new.
 
 A step is launched (staged, uploaded, run and sampled, its sampled ids copied towards pinned host memory)
-and finished (its ids read once they have arrived) in two calls, so the engine can launch the next decode
-step before reading this one's ids. Such a continuation stages, in place of its input ids, the rows of the
-previous step's sampled ids that it continues; the device swaps the ids in before the forward (see execute).
+and finished (its ids read once they have arrived) in two calls, so the engine can launch the next step
+before reading this one's ids. Such a step's leading requests continue the one in flight: it stages, in
+place of their input ids, the rows of that step's sampled ids they take; the device swaps the ids in before
+the forward (see execute).
 """
 import bisect
 import functools
@@ -67,7 +68,7 @@ class StagedStep:
     logits_lead: bool  # every token samples: the logits rows are the step's first rows
     sample_rows: list[int]
     graph: GraphShape | None
-    follows: bool  # the staged input ids are rows of the previous step's sampled ids
+    num_follows: int  # the first input ids staged are rows of the previous step's sampled ids
     host: tuple[np.ndarray, np.ndarray, np.ndarray]  # staged longs, cu_seqlens|seq_lens, block-table columns in use
 
 
@@ -79,7 +80,7 @@ class LaunchedStep:
     sample_rows: list[int]
     ids: Tensor | None  # the sampled ids: in pinned host memory once `ready` has passed (on the CPU, at once)
     ready: "torch.cuda.Event | None"
-    continuable: bool  # decode rows that all sample, no penalties: the next step needs nothing from the host
+    plannable: bool  # no penalties: the next step needs no token of this one on the host
 
 
 def longest_first(seq_lens: np.ndarray, num_rows: int) -> np.ndarray:
@@ -264,15 +265,16 @@ class ModelRunner:
         return self._upload(self._stage(seqs, num_tokens, graph))
 
     def _stage(self, seqs: list[Sequence], num_tokens: list[int], graph: GraphShape | None = None,
-               follows: list[int] | None = None) -> StagedStep:
-        """follows: the step continues the step in flight, one token ahead of it, for the sequences in these
-        rows of it (their input ids are its sampled ids, not yet on the host)."""
-        num_seqs, num_rows = len(seqs), graph.num_rows if graph else len(seqs)
+               ahead: list[int] | None = None, follows: list[int] = ()) -> StagedStep:
+        """ahead: the tokens each sequence has in the step in flight (not yet counted as computed). follows: the
+        first len(follows) sequences compute one token each, the one sampled in these rows of the step in
+        flight (not yet on the host)."""
+        num_seqs, num_rows, num_follows = len(seqs), graph.num_rows if graph else len(seqs), len(follows)
         longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
         starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
-        if follows is not None:
-            starts += 1
+        if ahead is not None:
+            starts += np.array(ahead, dtype=np.int64)
         seq_lens = starts + counts
         cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(counts, out=cu_seqlens[1:num_seqs + 1])
@@ -282,20 +284,20 @@ class ModelRunner:
         size = graph.num_tokens if graph else total  # tokens in the step, padding included
         tokens_at, lens_at = aligned(size), aligned(num_rows + 1)
         input_ids, positions, slot_mapping = (longs[i * tokens_at:i * tokens_at + size] for i in range(3))
-        if follows is None:
-            input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
-                seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), num_tokens)),
-                dtype=np.int64, count=total)
-        else:
-            input_ids[:total] = follows
+        input_ids[:num_follows] = follows
+        input_ids[num_follows:total] = np.fromiter(itertools.chain.from_iterable(
+            seq.token_ids[start:start + n] for seq, start, n in
+            zip(seqs[num_follows:], starts[num_follows:].tolist(), num_tokens[num_follows:])),
+            dtype=np.int64, count=total - num_follows)
         positions[:total] = np.arange(total) - np.repeat(cu_seqlens[:num_seqs] - starts, counts)
         rows = np.repeat(np.arange(num_seqs), counts)
         tables = self._stage_block_tables(seqs)
         slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
                                 + positions[:total] % self.block_size)
         input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
-        samples = (np.ones(num_seqs, dtype=bool) if follows is not None else
-                   seq_lens == np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs))
+        lengths = np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        lengths[:num_follows] += 1  # the token in flight
+        samples = seq_lens == lengths
         logits_indices = cu_seqlens[1:num_seqs + 1][samples] - 1
         num_logits = len(logits_indices)
         longs[3 * tokens_at:3 * tokens_at + num_logits] = logits_indices
@@ -313,7 +315,7 @@ class ModelRunner:
             max_seqlen_k=self.max_model_len if graph else int(seq_lens.max()),  # a graph serves any length
             is_decode=is_decode,
             logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
-            sample_rows=np.flatnonzero(samples).tolist(), graph=graph, follows=follows is not None,
+            sample_rows=np.flatnonzero(samples).tolist(), graph=graph, num_follows=num_follows,
             host=(longs[:3 * tokens_at + num_logits], ints[:order_at + num_rows], tables[:num_rows, :columns]))
 
     def _upload(self, staged: StagedStep) -> StepInputs:
@@ -337,18 +339,20 @@ class ModelRunner:
     # ---- running steps --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], num_tokens: list[int], follows: list[int] | None = None) -> LaunchedStep:
-        """Starts the step on the device without waiting for it. follows (one token per sequence): it
-        continues the last step launched, which computed the sequences in these rows and is still unfinished."""
-        staged = self._stage(seqs, num_tokens, self._graph_for(num_tokens), follows=follows)
+    def launch(self, seqs: list[Sequence], num_tokens: list[int], ahead: list[int] | None = None,
+               follows: list[int] = ()) -> LaunchedStep:
+        """Starts the step on the device without waiting for it. With ahead, it goes on from the last step
+        launched, still unfinished (see _stage)."""
+        staged = self._stage(seqs, num_tokens, self._graph_for(num_tokens), ahead, follows)
         logits = self.collective("execute", staged)
         if not staged.sample_rows:
-            return LaunchedStep(seqs, num_tokens, [], None, None, continuable=False)
+            return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
-        self.last_sampled = self.sampler(logits, sampling, ahead=int(follows is not None))
+        drawn_ahead = [1] * len(follows) + [0] * (len(sampling) - len(follows))  # the leading rows all sample
+        self.last_sampled = self.sampler(logits, sampling, ahead=drawn_ahead)
         ids, ready = self._to_host(self.last_sampled)
-        continuable = (staged.is_decode and sampling is seqs and not self.sampler.plan_for(sampling).penalised)
-        return LaunchedStep(seqs, num_tokens, staged.sample_rows, ids, ready, continuable)
+        plannable = not self.sampler.plan_for(sampling).penalised
+        return LaunchedStep(seqs, num_tokens, staged.sample_rows, ids, ready, plannable)
 
     def finish(self, step: LaunchedStep) -> list[int | None]:
         """The sampled token of each of the step's sequences (None: a prompt chunk that does not reach the
@@ -380,8 +384,8 @@ class ModelRunner:
         if not self.is_driver:
             self._restage(staged)
         step = self._upload(staged)
-        if staged.follows:
-            self._take_sampled_ids(step.input_ids[:len(staged.sample_rows)])
+        if staged.num_follows:
+            self._take_sampled_ids(step.input_ids[:staged.num_follows])
         if staged.graph:
             self.graphs[staged.graph].replay()
             hidden = self.graph_hidden[:staged.graph.num_tokens]
@@ -390,8 +394,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
 
     def _take_sampled_ids(self, ids: Tensor) -> None:
-        """A continuation's input ids, staged as rows of the last step's sampled ids, become those ids on the
-        device; rank 0, which sampled them, sends them to the other tensor-parallel ranks."""
+        """Input ids staged as rows of the last step's sampled ids become those ids on the device; rank 0,
+        which sampled them, sends them to the other tensor-parallel ranks."""
         if self.is_driver:
             ids.copy_(self.last_sampled[ids])
         if tp_size() > 1:

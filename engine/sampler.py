@@ -83,10 +83,10 @@ class Sampler:
         self.plan: SamplingPlan | None = None
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int = 0) -> Tensor:
+    def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int | list[int] = 0) -> Tensor:
         """logits [N, V] (any float dtype; bf16 from a bf16 model), one row per request -> int64 [N] token ids,
-        on the device. ahead: how many tokens each request has drawn beyond its token_ids (a step launched
-        before the last one finished). Every path computes in float32: the argmax and the one-pass kernel read
+        on the device. ahead: how many tokens each request (or every request) has drawn beyond its token_ids
+        (a step launched before the last one finished). Every path computes in float32: the argmax and the one-pass kernel read
         bf16 exactly, the temperature division promotes, penalties take a float32 copy."""
         plan = self.plan_for(seqs)
         if plan.penalised:
@@ -112,13 +112,15 @@ class Sampler:
             self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.uploads)
         return self.plan
 
-    def sample_in_one_pass(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int) -> Tensor:
+    def sample_in_one_pass(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan,
+                           ahead: int | list[int]) -> Tensor:
         """Gumbel-max over each row; a row's Philox key is fresh randomness, or for a seeded request a hash of
         its seed and the position of the token it draws."""
         seeds = self.row_seed_source.integers(0, INT63, size=len(seqs), dtype=np.int64)
         for row in plan.seeded_rows:
             seq = seqs[row]
-            seeds[row] = (seq.params.seed * 0x9E3779B97F4A7C15 + (len(seq) + ahead) * 0xBF58476D1CE4E5B9) % INT63
+            position = len(seq) + (ahead if isinstance(ahead, int) else ahead[row])
+            seeds[row] = (seq.params.seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % INT63
         return kernels.gumbel_argmax(logits, plan.temperature_or_zero, self.uploads.upload(seeds))
 
     def exponential_noise(self, probs: Tensor, seqs: list[Sequence], seeded_rows: list[int]) -> Tensor:

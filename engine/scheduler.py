@@ -45,7 +45,13 @@ class Scheduler:
                 num_tokens.append(n)
                 budget -= n
                 i += 1
-        while self.waiting and budget and len(self.running) < self.max_num_seqs and not preempted:
+        if not preempted:
+            self._admit(seqs, num_tokens, budget)
+        return seqs, num_tokens
+
+    def _admit(self, seqs: list[Sequence], num_tokens: list[int], budget: int) -> None:
+        """Admits waiting requests, oldest first, while the budget, the seats and the free blocks last."""
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
@@ -62,7 +68,6 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(n)
             budget -= n
-        return seqs, num_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -70,15 +75,43 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether the step after the one in flight can be scheduled before that one's tokens are known,
-        and if so allocates it: one more token for each of `seqs`, the requests of the step in flight that
-        are still running (the budget covered them in that step). That is the plain schedule when they are
-        all the running requests, none must be preempted, and no waiting request could be admitted (one
-        that a request finishing now makes room for waits one step longer)."""
-        if seqs != self.running or (self.waiting and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens)):
-            return False
-        return all(self.block_manager.allocate(seq, 2) for seq in seqs)  # the token in flight and the next
+    def schedule_ahead(self, in_flight: list[Sequence], tokens_in_flight: list[int],
+                       sample_rows: list[int]) -> tuple[list[Sequence], list[int], list[int], list[int]] | None:
+        """The step after the one in flight (requests `in_flight` computing `tokens_in_flight`, the rows in
+        `sample_rows` sampling), scheduled and allocated before that step's tokens are known, as schedule()
+        would make it once they are: each request that samples in flight computes that token, the others go
+        on with their prompts, and waiting requests are admitted. Requests that finish in flight compute one
+        token that is thrown away; a seat they free goes to a waiting request one step later.
+
+        Returns (seqs, num_tokens, ahead, follows): ahead, the tokens each request has in flight; follows, for
+        the leading len(follows) requests, the sampled row of the step in flight that is their input token.
+        None, with nothing admitted, where the plain schedule must wait for the step: the requests that
+        sample in flight do not lead the running list, or a request would be preempted."""
+        follows = [i for i, row in enumerate(sample_rows) if not in_flight[row].is_finished]  # aborted, stopped
+        seqs = [in_flight[sample_rows[i]] for i in follows]
+        if self.running[:len(seqs)] != seqs or len(seqs) > self.max_num_batched_tokens:
+            return None
+        num_tokens, ahead = [1] * len(seqs), [tokens_in_flight[sample_rows[i]] for i in follows]
+        for seq, n_flying in zip(seqs, ahead):
+            if not self.block_manager.allocate(seq, n_flying + 1):
+                return None
+        budget = self.max_num_batched_tokens - len(seqs)
+        flying = dict(zip(map(id, in_flight), tokens_in_flight)) if len(self.running) > len(seqs) else {}
+        for seq in self.running[len(seqs):]:  # prompt chunks in flight, and requests the budget left out
+            if not budget:
+                break
+            n_flying = flying.get(id(seq), 0)
+            n = min(len(seq) - seq.num_computed_tokens - n_flying, budget)
+            if not self.block_manager.allocate(seq, n_flying + n):
+                return None
+            seqs.append(seq)
+            num_tokens.append(n)
+            ahead.append(n_flying)
+            budget -= n
+        num_running = len(seqs)
+        self._admit(seqs, num_tokens, budget)
+        ahead += [0] * (len(seqs) - num_running)
+        return seqs, num_tokens, ahead, follows
 
     def update(self, seqs: list[Sequence], num_tokens: list[int],
                sampled: list[int | None]) -> list[tuple[Sequence, int | None]]:

@@ -88,7 +88,7 @@ def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
 @torch.inference_mode()
 def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
     """The inputs a CUDA graph replays: dummy rows up to the captured size change no output and no cache."""
-    llm = LLM(tiny_llama.path, dtype="float32")
+    llm = LLM(tiny_llama.path, dtype="float32", overlap_steps=False)  # no step launched ahead of the prompts
     core, runner = llm.core, llm.core.runner
     for i, prompt in enumerate(prompts_of_lengths([5, 18, 9])):
         core.scheduler.add(core.make_sequence(i, prompt, GREEDY))

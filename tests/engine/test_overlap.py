@@ -13,14 +13,14 @@ NEW = 24
 
 
 def overlapped(llm_or_worker):
-    """Turns overlap on; returns a list that records, per launch, whether it continued the step in flight."""
+    """Turns overlap on; returns a list that records, per launch, whether it went on from a step in flight."""
     core = llm_or_worker.core
     core.overlap = True
     launches, launch = [], core.runner.launch
 
-    def recording(seqs, num_tokens, follows=None):
-        launches.append(follows is not None)
-        return launch(seqs, num_tokens, follows)
+    def recording(seqs, num_tokens, ahead=None, follows=()):
+        launches.append(ahead is not None)
+        return launch(seqs, num_tokens, ahead, follows)
 
     core.runner.launch = recording
     return launches
@@ -57,10 +57,38 @@ def test_overlap_matches_synchronous_and_transformers(tiny_model, prompts_of_len
     llm = LLM(tiny_model.path, dtype="float32")
     launches = overlapped(llm)
     assert [out["token_ids"] for out in llm.generate(prompts, params)] == expected
-    assert launches[:2] == [False, False] and all(launches[2:])  # the prompts, then decode steps launched ahead
+    assert not launches[0] and all(launches[1:])  # the prompts, then every step launched ahead
     assert_idle(llm)
     again = llm.generate(prompts, params)  # the last, thrown-away step is still in flight
     assert [out["token_ids"] for out in again] == expected
+    assert_idle(llm)
+
+
+def test_prompt_chunks_and_admissions_launch_ahead(tiny_llama, prompts_of_lengths):
+    """Steps carrying prompt chunks and newly admitted prompts beside decodes are launched ahead too (the
+    decodes take the step in flight's tokens on the device), with requests waiting for seats."""
+    prompts = prompts_of_lengths([40, 7, 26, 13, 3], seed=8)
+    references = [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
+    params = staggered(references)
+    llm = LLM(tiny_llama.path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=3)
+    core = llm.core
+    core.overlap = True
+    mixed_ahead, launch = [], core.runner.launch
+
+    def recording(seqs, num_tokens, ahead=None, follows=()):
+        if ahead is not None and follows and max(num_tokens) > 1:
+            mixed_ahead.append(len(follows))
+        return launch(seqs, num_tokens, ahead, follows)
+
+    core.runner.launch = recording
+    assert [out["token_ids"] for out in llm.generate(prompts, params)] == \
+        [cut(reference, p) for reference, p in zip(references, params)]
+    assert len(mixed_ahead) >= 3
+    seeded = [SamplingParams(temperature=0.8, max_tokens=NEW - i, seed=i) for i in range(len(prompts))]
+    sync = LLM(tiny_llama.path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=3, overlap_steps=False)
+    mixed_ahead.clear()
+    assert llm.generate(prompts, seeded) == sync.generate(prompts, seeded)  # drawn at the same positions
+    assert mixed_ahead
     assert_idle(llm)
 
 
@@ -117,7 +145,7 @@ def test_seeded_sampling_and_penalties(tiny_llama, prompts_of_lengths):
     assert any(launches)
     launches.clear()
     assert llm.generate(prompts, penalised) == expected_penalised
-    assert not any(launches)
+    assert not any(launches[1:])  # the prompts went ahead of the seeded batch's last, thrown-away step
     assert_idle(llm)
 
 

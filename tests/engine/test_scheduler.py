@@ -78,29 +78,66 @@ def test_abort_frees_blocks():
     assert a.finish_reason == "abort" and scheduler.block_manager.num_free_blocks == 64 and not scheduler.has_work()
 
 
-def test_schedule_ahead_only_where_the_plain_schedule_would_continue():
-    """The step after a decode step in flight may be scheduled before its tokens are known only when it is
-    that step again, one token further: all running requests, nobody admitted, nobody preempted."""
-    scheduler = setup(num_blocks=5, budget=16, max_seqs=3)
+def launch_ahead(scheduler, seqs, counts, token=7):
+    """One step of the engine's overlapped loop: plans the step after (seqs, counts), then applies it."""
+    samples = [row for row, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == len(s)]
+    planned = scheduler.schedule_ahead(seqs, counts, samples)
+    scheduler.update(seqs, counts, [token if row in samples else None for row in range(len(seqs))])
+    return planned
+
+
+def test_schedule_ahead_plans_the_step_schedule_makes_afterwards():
+    """While nothing finishes, the step planned with one in flight (its tokens unknown) is the one
+    schedule() makes once they are known: decodes first, the rest of a chunked prompt, admissions."""
+    plain, overlapped = setup(budget=16), setup(budget=16)
+    for scheduler in (plain, overlapped):
+        for i, n in enumerate([6, 40, 3, 9, 21]):
+            scheduler.add(seq(n, i, max_tokens=50, first=10 * i + 1))
+    expected = [run_step(plain) for _ in range(8)]
+    seqs, counts = overlapped.schedule()
+    steps = []
+    for _ in range(8):
+        in_flight = dict(zip(map(id, seqs), counts))
+        sampling = [s for s, n in zip(seqs, counts) if s.num_computed_tokens + n == len(s)]
+        steps.append([(s.request_id, n) for s, n in zip(seqs, counts)])
+        seqs, counts, ahead, follows = launch_ahead(overlapped, seqs, counts)
+        assert seqs[:len(follows)] == sampling and follows == list(range(len(sampling)))
+        assert ahead == [in_flight.get(id(s), 0) for s in seqs]
+    assert steps == expected
+    assert any(n > 1 for _, n in expected[2]) and len(expected[3]) == 5  # chunks, and every request admitted
+
+
+def test_schedule_ahead_drops_finished_requests_and_admits_to_free_seats():
+    scheduler = setup(budget=16, max_seqs=2)
+    a, b, c = seq(3, "a"), seq(3, "b", first=10), seq(3, "c", first=20)
+    for s in (a, b, c):
+        scheduler.add(s)
+    seqs, counts = scheduler.schedule()
+    assert [s.request_id for s in seqs] == ["a", "b"]
+    scheduler.abort(a)  # while its prompt is in flight
+    planned_seqs, counts, ahead, follows = scheduler.schedule_ahead(seqs, counts, [0, 1])
+    assert planned_seqs == [b, c] and counts == [1, 3] and ahead == [3, 0] and follows == [1]
+    assert scheduler.running == [b, c] and not scheduler.waiting
+
+
+def test_schedule_ahead_waits_where_the_plain_schedule_would_preempt():
+    scheduler = setup(num_blocks=3, budget=16, block_size=4)
+    a, b, c = seq(3, "a"), seq(3, "b", first=10), seq(3, "c", first=20)
+    for s in (a, b):
+        scheduler.add(s)
+    seqs, counts = scheduler.schedule()  # the prompts: a block each
+    seqs, counts, _, _ = launch_ahead(scheduler, seqs, counts)  # token 3 of each fits those blocks
+    scheduler.add(c)
+    assert launch_ahead(scheduler, seqs, counts) is None  # token 4 of each needs a block; one is left
+    assert scheduler.waiting[0] is c and scheduler.running == [a, b] and scheduler.num_preemptions == 0
+    assert scheduler.schedule() == ([a], [1]) and scheduler.num_preemptions == 1  # the plain schedule preempts b
+
+
+def test_schedule_ahead_waits_when_the_sampling_requests_do_not_lead():
+    scheduler = setup(budget=16)
     a, b = seq(3, "a"), seq(3, "b", first=10)
-    scheduler.add(a)
-    scheduler.add(b)
-    run_step(scheduler)  # both prompts: 4 tokens each, 1 block each
-    seqs, counts = scheduler.schedule()  # the step in flight: token 4 of each
-    assert counts == [1, 1] and not scheduler.schedule_ahead([a])  # b runs too
-    assert scheduler.schedule_ahead(seqs)
-    assert [len(s.block_table) for s in seqs] == [2, 2]  # tokens 4 and 5 need a second block each
-    scheduler.add(seq(3, "c", first=20))
-    assert not scheduler.schedule_ahead(seqs)  # c could be admitted: the plain schedule differs
-    scheduler.max_num_seqs = 2
-    assert scheduler.schedule_ahead(seqs)  # no seat for c before a request finishes
-    scheduler.update(seqs, counts, [7, 7])
-    for _ in range(3):
-        seqs, counts = scheduler.schedule()
-        assert counts == [1, 1] and scheduler.block_manager.num_free_blocks == 1
-        scheduler.update(seqs, counts, [7, 7])
-    seqs, counts = scheduler.schedule()  # in flight: token 7 of each; token 8 needs a third block each
-    assert not scheduler.schedule_ahead(seqs)  # one block left: the plain schedule would preempt b
-    assert scheduler.num_preemptions == 0 and [len(s.block_table) for s in seqs] == [3, 2]
-    scheduler.update(seqs, counts, [7, 7])
-    assert scheduler.schedule() == ([a], [1]) and scheduler.num_preemptions == 1
+    for s in (a, b):
+        scheduler.add(s)
+    seqs, counts = scheduler.schedule()
+    assert scheduler.schedule_ahead([b], [4], [0]) is None  # a runs before b: b's token cannot lead
+    assert [s.request_id for s in scheduler.running] == ["a", "b"]

@@ -99,10 +99,10 @@ def test_failing_step_fails_only_its_requests(make_worker, tiny_llama, prompts_o
     idle = worker.stats()["num_free_blocks"]
     real_launch = worker.core.runner.launch
 
-    def launch(seqs, num_tokens, follows=None):
+    def launch(seqs, num_tokens, *ahead_and_follows):
         if any(seq.request_id == "bad" for seq in seqs):
             raise RuntimeError("injected failure")
-        return real_launch(seqs, num_tokens, follows)
+        return real_launch(seqs, num_tokens, *ahead_and_follows)
 
     monkeypatch.setattr(worker.core.runner, "launch", launch)
     bad_prompt, good_prompt = prompts_of_lengths([12, 15])
