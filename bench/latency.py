@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
+    ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model

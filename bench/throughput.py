@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--no-overlap", action="store_true", help="read each decode step's ids before the next")
+    ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
     ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")

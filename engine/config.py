@@ -24,7 +24,7 @@ class EngineConfig:
     dtype: str = "auto"                 # HFENDPOINT_DTYPE: auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
-    overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch decode step N+1 before step N's results
+    overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
