@@ -25,6 +25,7 @@ __all__ = [
     "silu_and_mul",
     "qkv_prologue",
     "gumbel_argmax",
+    "qkv_paged_attention",
 ]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
@@ -35,7 +36,7 @@ def _backend(device_type: str) -> SimpleNamespace:
     if device_type != "cuda":
         from kernels import reference
 
-        return SimpleNamespace(**{name: getattr(reference, name) for name in __all__[1:]})
+        return SimpleNamespace(**{name: getattr(reference, name) for name in __all__[1:-1]}, fused_decode=None)
     from kernels import (
         triton_activation,
         triton_attention,
@@ -54,6 +55,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         silu_and_mul=triton_activation.silu_and_mul,
         qkv_prologue=triton_prologue.qkv_prologue,
         gumbel_argmax=triton_sampling.gumbel_argmax,
+        fused_decode=triton_attention.qkv_decode_attention,
     )
     try:
         import flash_attn
@@ -89,9 +91,8 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
         )
 
-    return SimpleNamespace(
-        **{**vars(backend), "paged_attention": paged_attention, "varlen_attention": varlen_attention}
-    )
+    return SimpleNamespace(**{**vars(backend), "paged_attention": paged_attention,
+                              "varlen_attention": varlen_attention, "fused_decode": None})
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -140,6 +141,23 @@ def qkv_prologue(
         qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
         k_cache, v_cache, slot_mapping, return_kv,
     )
+
+
+def qkv_paged_attention(
+    qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> Tensor:
+    """qkv_prologue, storing the step's keys and values in the paged cache, then paged_attention: q [T, n_q, D]
+    attended. A decode step on CUDA without flash-attn runs both in the decode attention kernel (one launch
+    less per layer; Triton's qkv_decode_attention)."""
+    backend = _backend_of(qkv)
+    if meta.is_decode and backend.fused_decode is not None:
+        return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
+                                    k_cache, v_cache, meta, scale)
+    q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+                           eps, k_cache, v_cache, meta.slot_mapping, return_kv=False)
+    return backend.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:

@@ -87,14 +87,35 @@ def _attend(
 
 
 @triton.jit
+def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NORM: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    """Heads [R, D] at rows_ptr [R, 1] after per-head RMSNorm (HAS_NORM) and NeoX rotary (cos, and sin negated
+    on the first half, both [D]), rounded to the input dtype after each step as kernels/triton_prologue.py
+    rounds. Each element's rotary partner (the other half's) is loaded beside it."""
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
+    x = tl.load(rows_ptr + dims[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    xp = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+        x = ((x * rstd).to(dtype).to(tl.float32) * tl.load(norm_ptr + dims).to(tl.float32)).to(dtype)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * tl.load(norm_ptr + partner).to(tl.float32)).to(dtype)
+        x = x.to(tl.float32)
+        xp = xp.to(tl.float32)
+    return (x * cos[None, :] + xp * signed_sin[None, :]).to(dtype)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, arrivals_ptr, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+    cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr,
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -131,8 +152,13 @@ def _decode_kernel(
     full_hi = tl.maximum(lo + (hi - lo) // BLOCK_N * BLOCK_N, lo)
 
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None], other=0.0)
+    q_row = q_ptr + seq.to(tl.int64) * stride_qt
+    if PROLOGUE:
+        q = _rotated_query_storing_new_key(q_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, cos_sin_ptr,
+                                           stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len,
+                                           hi, kv_head, num_kv_heads, stride_slot, HAS_NORM, NUM_Q_HEADS, HEAD_DIM)
+    else:
+        q = tl.load(q_row + heads[:, None] * stride_qh + dims[None, :], mask=row_mask[:, None], other=0.0)
     acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
@@ -157,6 +183,34 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=row_mask)
         _merge_if_last(arrivals_ptr + seq * num_kv_heads + kv_head, part_out_ptr, part_lse_ptr, out_group, first_row,
                        tl.cdiv(seq_len, chunk), num_splits, stride_oh, GROUP, HEAD_DIM, SPLITS_BLOCK)
+
+
+@triton.jit
+def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, cos_sin_ptr, stride_cs,
+                                   q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len, hi, kv_head,
+                                   num_kv_heads, stride_slot, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+                                   HEAD_DIM: tl.constexpr):
+    """The prologue inside a decode program, reading the fused qkv row of its sequence (at position seq_len - 1):
+    returns the group's queries normed and rotated; the program whose keys end at seq_len also norms and
+    rotates the new key, stores it and the new value in the cache slot, and waits for the stores before its
+    reads of the cache (a block barrier makes them visible to the whole program)."""
+    half = dims % (HEAD_DIM // 2)
+    cos_sin = cos_sin_ptr + (seq_len - 1).to(tl.int64) * stride_cs
+    cos = tl.load(cos_sin + half)
+    signed_sin = tl.load(cos_sin + HEAD_DIM // 2 + half) * tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+    q = _normed_rotated(qkv_row + heads[:, None] * HEAD_DIM, row_mask[:, None], dims, q_norm_ptr, cos, signed_sin,
+                        eps, HAS_NORM, HEAD_DIM)
+    if hi == seq_len:
+        key_row = qkv_row + (NUM_Q_HEADS + kv_head) * HEAD_DIM + tl.zeros([1, 1], dtype=tl.int32)
+        k = _normed_rotated(key_row, dims[None, :] < HEAD_DIM, dims, k_norm_ptr, cos, signed_sin, eps, HAS_NORM,
+                            HEAD_DIM)
+        v = tl.load(qkv_row + (NUM_Q_HEADS + num_kv_heads + kv_head) * HEAD_DIM + dims[None, :])
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if slot >= 0:
+            tl.store(k_cache_ptr + slot * stride_slot + kv_head * HEAD_DIM + dims[None, :], k)
+            tl.store(v_cache_ptr + slot * stride_slot + kv_head * HEAD_DIM + dims[None, :], v)
+        tl.debug_barrier()
+    return q
 
 
 @triton.jit
@@ -288,8 +342,31 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
     """paged_attention for a batch of one query token per sequence; num_splits None picks it by occupancy."""
-    num_seqs = meta.seq_lens.shape[0]
     num_tokens, num_q_heads, head_dim = q.shape
+    return _decode(q, num_q_heads, head_dim, q.stride(0), q.stride(1), k_cache, v_cache, meta, scale, num_splits)
+
+
+def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, k_cache,
+                         v_cache, meta, scale, num_splits=None):
+    """qkv_prologue (storing the new keys and values in the cache) and decode_attention in one launch, from the
+    fused projection qkv [T, (n_q + 2 n_kv) D] at positions meta.seq_lens - 1: one launch less per layer."""
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"qkv_decode_attention needs qkv and a cos_sin_cache of width {head_dim} contiguous in "
+                         "their last dimension")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"k_cache has {k_cache.shape[2]} heads of {k_cache.shape[3]}, qkv {num_kv_heads} of {head_dim}")
+    prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping)
+    return _decode(qkv, num_heads, head_dim, qkv.stride(0), head_dim, k_cache, v_cache, meta, scale, num_splits,
+                   prologue)
+
+
+def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits,
+            prologue=None):
+    """The decode launch: q heads at q + token * stride_qt + head * stride_qh; with prologue (cos_sin_cache,
+    q and k norm weights or None, eps, slot_mapping), q is the fused qkv projection (see qkv_decode_attention)."""
+    num_seqs = meta.seq_lens.shape[0]
+    num_tokens = q.shape[0]
     if num_tokens != num_seqs:
         raise ValueError(f"decode expects one query token per sequence, got {num_tokens} for {num_seqs}")
     _check_head_dim(head_dim)
@@ -307,18 +384,21 @@ def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         arrivals = arrival_counters(num_seqs * num_kv_heads, q.device)
+    cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping = prologue or (out, None, None, 0.0, out)
     block_tables = meta.block_tables
     ordered = meta.seq_order is not None
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, meta.seq_lens, meta.seq_order if ordered else meta.seq_lens, out,
         part_out, part_lse, arrivals,
         scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
+        stride_qt, stride_qh, out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
+        cos_sin_cache, cos_sin_cache.stride(0), out if q_norm_weight is None else q_norm_weight,
+        out if k_norm_weight is None else k_norm_weight, eps, slot_mapping,
         GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=64, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
-        ORDERED=ordered,
+        ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         num_warps=4, num_stages=2,  # the fastest at batch 64-256 on contexts of 100-2,100 tokens on an H100
         **launch_options(q),
     )

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from kernels import (
     AttentionMetadata,
     add_rms_norm,
-    paged_attention,
+    qkv_paged_attention,
     qkv_prologue,
     rms_norm,
     silu_and_mul,
@@ -117,16 +117,16 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
 
     def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection."""
-        paged = self.k_cache is not None and meta.block_tables is not None
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-        q, k, v = qkv_prologue(
-            self.qkv_proj(x), positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads, *norms,
-            k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping, return_kv=not paged,
-        )
-        if paged:
-            out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection (in the
+        attention kernel itself for a decode step on CUDA)."""
+        qkv, cos_sin = self.qkv_proj(x), self.rotary_emb.cos_sin_cache
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+        if self.k_cache is not None and meta.block_tables is not None:
+            out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
+                                      self.k_cache, self.v_cache, meta, self.scale)
         else:
+            q, k, v = qkv_prologue(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
+                                   self.k_cache, self.v_cache, meta.slot_mapping)
             out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True)
         return self.o_proj(out.reshape(x.shape[0], -1))
 

@@ -21,6 +21,13 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def cos_sin_cache(max_pos, head_dim):
+    """A rotary cos|sin table [max_pos, head_dim] in float32, as models/llama.py builds it (theta 10,000)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+
+
 def paged_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3):
     """Random queries and a paged cache holding each sequence's context in randomly scattered blocks.
 

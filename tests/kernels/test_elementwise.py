@@ -1,7 +1,7 @@
 """Triton norm, rotary, activation and KV-store kernels against the torch reference."""
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only
+from kernel_testing import DEVICE, DTYPES, assert_close, cos_sin_cache, cuda_only
 
 from kernels import reference
 from kernels.triton_activation import silu_and_mul
@@ -48,12 +48,6 @@ def test_silu_and_mul(tokens, inter, dtype):
     assert_close(silu_and_mul(x), reference.silu_and_mul(x), dtype)
 
 
-def _cos_sin_cache(max_pos, head_dim):
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 1), (6, 3)])
@@ -64,7 +58,7 @@ def test_apply_rotary_on_fused_qkv_views(num_q_heads, num_kv_heads, head_dim, dt
     q = qkv[:, :q_size].view(tokens, num_q_heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
     positions = torch.tensor([0, 7, 3, 63, 1], device=DEVICE)
-    cos_sin = _cos_sin_cache(64, head_dim)
+    cos_sin = cos_sin_cache(64, head_dim)
     before = qkv.clone()
     q_out, k_out = apply_rotary(q, k, positions, cos_sin)
     q_expected, k_expected = reference.apply_rotary(q, k, positions, cos_sin)
@@ -78,7 +72,7 @@ def test_apply_rotary_large():
     q = torch.randn(4096, 16, 128, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(4096, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     positions = torch.randint(0, 8192, (4096,), device=DEVICE)
-    cos_sin = _cos_sin_cache(8192, 128)
+    cos_sin = cos_sin_cache(8192, 128)
     expected = reference.apply_rotary(q, k, positions, cos_sin)
     for actual, wanted in zip(apply_rotary(q, k, positions, cos_sin), expected):
         assert_close(actual, wanted, torch.bfloat16)

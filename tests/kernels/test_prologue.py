@@ -1,18 +1,12 @@
 """The fused attention prologue (q/k norm, rotary, KV store) against the torch reference's separate steps."""
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close
+from kernel_testing import DEVICE, DTYPES, assert_close, cos_sin_cache
 
 from kernels import reference
 from kernels.triton_prologue import qkv_prologue
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
-
-
-def _cos_sin_cache(max_pos, head_dim):
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
 
 
 def _case(tokens, num_q_heads, num_kv_heads, head_dim, dtype, qk_norm, num_blocks=5, block_size=4):
@@ -26,7 +20,7 @@ def _case(tokens, num_q_heads, num_kv_heads, head_dim, dtype, qk_norm, num_block
     v_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
     slots[::3] = -1
-    return qkv, positions, _cos_sin_cache(64, head_dim), norms, k_cache, v_cache, slots
+    return qkv, positions, cos_sin_cache(64, head_dim), norms, k_cache, v_cache, slots
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -90,7 +84,7 @@ def test_prologue_empty_batch():
 def test_prologue_qwen3_shape(tokens):
     qkv = torch.randn(tokens, (16 + 2 * 8) * 128, device=DEVICE, dtype=torch.bfloat16)
     positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
-    cos_sin = _cos_sin_cache(8192, 128)
+    cos_sin = cos_sin_cache(8192, 128)
     norms = tuple(torch.rand(128, device=DEVICE, dtype=torch.bfloat16) + 0.5 for _ in range(2))
     shape = (600, 16, 8, 128)
     k_cache, v_cache = (torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
