@@ -86,8 +86,8 @@ class Sampler:
     def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int | list[int] = 0) -> Tensor:
         """logits [N, V] (any float dtype; bf16 from a bf16 model), one row per request -> int64 [N] token ids,
         on the device. ahead: how many tokens each request (or every request) has drawn beyond its token_ids
-        (a step launched before the last one finished). Every path computes in float32: the argmax and the one-pass kernel read
-        bf16 exactly, the temperature division promotes, penalties take a float32 copy."""
+        (a step launched before the last one finished). Every path computes in float32: the argmax and the
+        one-pass kernel read bf16 exactly, the temperature division promotes, penalties take a float32 copy."""
         plan = self.plan_for(seqs)
         if plan.penalised:
             logits = self.apply_penalties(logits.float(), seqs)

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
 
-__all__ = [
-    "AttentionMetadata",
+BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
     "linear",
     "paged_attention",
     "varlen_attention",
@@ -25,8 +24,8 @@ __all__ = [
     "silu_and_mul",
     "qkv_prologue",
     "gumbel_argmax",
-    "qkv_paged_attention",
-]
+)
+__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 
@@ -36,7 +35,7 @@ def _backend(device_type: str) -> SimpleNamespace:
     if device_type != "cuda":
         from kernels import reference
 
-        return SimpleNamespace(**{name: getattr(reference, name) for name in __all__[1:-1]}, fused_decode=None)
+        return SimpleNamespace(**{name: getattr(reference, name) for name in BACKEND_FUNCTIONS}, fused_decode=None)
     from kernels import (
         triton_activation,
         triton_attention,

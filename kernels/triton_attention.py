@@ -99,10 +99,9 @@ def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NO
     xp = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
-        x = ((x * rstd).to(dtype).to(tl.float32) * tl.load(norm_ptr + dims).to(tl.float32)).to(dtype)
-        xp = ((xp * rstd).to(dtype).to(tl.float32) * tl.load(norm_ptr + partner).to(tl.float32)).to(dtype)
-        x = x.to(tl.float32)
-        xp = xp.to(tl.float32)
+        w, wp = tl.load(norm_ptr + dims).to(tl.float32), tl.load(norm_ptr + partner).to(tl.float32)
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     return (x * cos[None, :] + xp * signed_sin[None, :]).to(dtype)
 
 
@@ -355,7 +354,8 @@ def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_wei
         raise ValueError(f"qkv_decode_attention needs qkv and a cos_sin_cache of width {head_dim} contiguous in "
                          "their last dimension")
     if k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"k_cache has {k_cache.shape[2]} heads of {k_cache.shape[3]}, qkv {num_kv_heads} of {head_dim}")
+        raise ValueError(f"k_cache has {k_cache.shape[2]} heads of {k_cache.shape[3]}, qkv {num_kv_heads} of "
+                         f"{head_dim}")
     prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping)
     return _decode(qkv, num_heads, head_dim, qkv.stride(0), head_dim, k_cache, v_cache, meta, scale, num_splits,
                    prologue)

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection (in the
         attention kernel itself for a decode step on CUDA)."""
         qkv, cos_sin = self.qkv_proj(x), self.rotary_emb.cos_sin_cache
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if self.k_cache is not None and meta.block_tables is not None:
             out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
                                       self.k_cache, self.v_cache, meta, self.scale)
