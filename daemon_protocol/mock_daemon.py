@@ -160,6 +160,9 @@ def validate_chat(body: dict) -> None:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     optional_type(body, "stream_options", dict, "an object")
+    include_usage = (body.get("stream_options") or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -134,6 +134,7 @@ def test_client_disconnect_mid_stream_cancels_the_worker_request(mock_daemon, cl
     ('{"messages": "hi"}', "messages"),
     ('{"messages": [1]}', "messages"),
     ('{"messages": [], "stream": "yes"}', "stream"),
+    ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
     ('{"messages": [], "max_tokens": 1180591620717411303424}', None),  # 2**70: no MessagePack integer holds it
 ])
 def test_bad_chat_bodies_get_400(mock_daemon, body, param):
