@@ -386,7 +386,9 @@ async def serve(args: argparse.Namespace) -> int:
     try:  # first, so that a busy port fails before the worker loads anything
         sock = listening_socket(args.host, args.port)
     except OSError as exc:
-        error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another --port (0: any free one)")
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+        error(f"cannot listen on {args.host}:{args.port}: {reason}; pick a free --port (0: any) and an address of "
+              "this machine for --host")
         return 1
     connection = WorkerConnection(args.worker)
     try:
