@@ -11,6 +11,10 @@ Usage: entrypoint.sh [HANDLER_ARGS...]
 Starts the HTTP front daemon on HOST:PORT (OpenAI API: /v1/chat/completions, /v1/embeddings;
 health: /health) and the handler (`python -m handler HANDLER_ARGS...`) behind it.
 
+Health: hfendpoint (v0.3.0) answers /health with 200 as soon as it listens, while the handler may still
+be loading its model (requests sent meanwhile wait for it). The mock daemon answers 503 until the handler
+has loaded its model, and again whenever the handler stops answering; it also serves /metrics.
+
 Variables read here:
   PORT                       port to listen on (default 80)
   HOST                       address to bind (default 0.0.0.0)
@@ -121,8 +125,9 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON: command not found; 
 check_model
 
 if [ "$uses_hfendpoint" = yes ]; then
-	log "starting $daemon on $HOST:$PORT"
+	log "starting $daemon on $HOST:$PORT (its /health answers 200 once it listens, before the model has loaded)"
 	exec "$daemon" --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"
 fi
 log "hfendpoint not found: starting the mock daemon (python -m daemon_protocol.mock_daemon) on $HOST:$PORT"
+log "the mock daemon's /health answers 503 until the model has loaded"
 exec "$PYTHON" -m daemon_protocol.mock_daemon --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"

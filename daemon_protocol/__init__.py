@@ -7,10 +7,14 @@
         yield {"content": "hi", "finish_reason": "stop"}
 
     asyncio.run(daemon_protocol.run())
+
+A handler refuses a request by raising: RequestError (or any ValueError) gets an error reply with status
+400, or the status it carries (docs/errors.md).
 """
+from .errors import RequestError
 from .log import error
 from .registry import Registry, handler
 from .server import run, serve
 from .transports import TransportError
 
-__all__ = ["Registry", "TransportError", "error", "handler", "run", "serve"]
+__all__ = ["Registry", "RequestError", "TransportError", "error", "handler", "run", "serve"]

@@ -2,18 +2,24 @@
 
     python -m daemon_protocol.mock_daemon [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- WORKER_CMD...
 
-Routes: GET / and /health, GET /v1/models, POST /v1/chat/completions (SSE when "stream": true),
-POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the worker as
-`data`; a client that disconnects mid-stream makes the daemon send `cancel`. Port 0 picks a free
+Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions (SSE when
+"stream": true), POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the
+worker as `data`; a client that disconnects mid-stream makes the daemon send `cancel`. Port 0 picks a free
 port; the address is logged as "listening on http://HOST:PORT".
+
+Unlike the production daemon, it answers a worker's error reply with the HTTP status the reply carries
+(docs/errors.md), names the model as the worker does (its `models` reply), and /health answers 503 until
+the worker has loaded its model and whenever it stops answering (daemon_protocol/worker_health.py).
 """
 import argparse
 import asyncio
 import base64
 import hmac
 import json
+import logging
 import os
 import signal
+import socket
 import struct
 import sys
 import time
@@ -22,14 +28,21 @@ import uuid
 from aiohttp import web
 
 from .log import error
+from .serving_metrics import CONTENT_TYPE, ServingMetrics
 from .worker_connection import CHAT_QUEUE_CHUNKS, UnencodableRequest, WorkerConnection, WorkerError, WorkerGone
+from .worker_health import HEALTH_TIMEOUT_S, WorkerHealth
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
 MAX_TOKEN_ID = (1 << 32) - 1
+DEFAULT_MODEL_NAME = "hfendpoint"  # for a worker that does not answer `models` with an id
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 CONNECTION = web.AppKey("connection", WorkerConnection)
 SETTINGS = web.AppKey("settings", dict)
+HEALTH = web.AppKey("health", WorkerHealth)
+METRICS = web.AppKey("metrics", ServingMetrics)
+log = logging.getLogger("mock_daemon")
 
 
 class ApiError(Exception):
@@ -38,9 +51,33 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: type invalid_request_error for a client's mistake (4xx), api_error otherwise."""
     kind = "invalid_request_error" if status < 500 else "api_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status)
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler):
+    """Every answer counted by route and status in /metrics (the outermost middleware: it sees the error
+    responses too)."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away first
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "other"
+        request.app[METRICS].observe_request(route, status, time.perf_counter() - started)
 
 
 @web.middleware
@@ -59,7 +96,7 @@ async def openai_errors(request: web.Request, handler):
     except UnencodableRequest as exc:
         return error_response(400, str(exc))
     except WorkerError as exc:
-        return error_response(500, str(exc))
+        return error_response(exc.status, str(exc), exc.param, exc.code)
     except WorkerGone as exc:
         return error_response(503, f"{exc}; the endpoint is shutting down", code="worker_unavailable")
     except TimeoutError as exc:
@@ -80,9 +117,10 @@ async def read_json_object(request: web.Request) -> dict:
     return body
 
 
-def model_name(request: web.Request, body: dict) -> str:
-    model = body.get("model")
-    return model if isinstance(model, str) and model else request.app[SETTINGS]["model"]
+def model_name(request: web.Request) -> str:
+    """The served model's name, as the worker gives it (HFENDPOINT_MODEL_NAME, MODEL_ID or the model's own
+    name): every reply carries it whatever the request's `model` said, as OpenAI's servers do."""
+    return request.app[HEALTH].model_name or DEFAULT_MODEL_NAME
 
 
 def optional_type(body: dict, key: str, types, what: str) -> None:
@@ -90,15 +128,25 @@ def optional_type(body: dict, key: str, types, what: str) -> None:
         raise ApiError(400, f"'{key}' must be {what}", param=key)
 
 
-# Health and models
+# Health, metrics and models
 async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+    """200 while the worker serves; 503 (saying why) while it loads, after it exits, or while it does not
+    answer its probes."""
+    problem = request.app[HEALTH].problem()
+    return web.Response(text="ok") if problem is None else web.Response(status=503, text=problem)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].text(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def list_models(request: web.Request) -> web.Response:
-    model = request.app[SETTINGS]["model"]
+    health = request.app[HEALTH]
+    if not health.ready:
+        raise ApiError(503, f"{health.problem()}; try again shortly", code="worker_unavailable")
     return web.json_response({"object": "list", "data": [
-        {"id": model, "object": "model", "created": request.app[SETTINGS]["started"], "owned_by": "hfendpoint"}]})
+        {"id": model_name(request), "object": "model", "created": request.app[SETTINGS]["started"],
+         "owned_by": "hfendpoint"}]})
 
 
 # Chat
@@ -112,6 +160,9 @@ def validate_chat(body: dict) -> None:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     optional_type(body, "stream_options", dict, "an object")
+    include_usage = (body.get("stream_options") or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -122,7 +173,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     result = await complete_chat(request, body)
     return web.json_response({
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model_name(request, body),
+        "model": model_name(request),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result["content"]},
                      "finish_reason": result["finish_reason"], "logprobs": None}],
         **({"usage": result["usage"]} if result["usage"] else {})})
@@ -135,14 +186,22 @@ async def open_chat(request: web.Request, data: dict):
     return stream
 
 
-async def chat_chunks(stream, timeout: float):
-    """The payloads of one chat request, up to the one with a finish_reason."""
+async def chat_chunks(request: web.Request, stream):
+    """The payloads of one chat request, up to the one with a finish_reason; its time to first token and
+    time per output token go to /metrics."""
+    started = time.perf_counter()
+    first_chunk_s = None
     while True:
-        payload = await stream.next(timeout)
+        payload = await stream.next(request.app[SETTINGS]["chunk_timeout"])
         if not isinstance(payload, dict):
             raise WorkerError(f"the worker sent a chat chunk that is not a map: {payload!r:.100}")
+        if first_chunk_s is None:
+            first_chunk_s = time.perf_counter() - started
         if payload.get("finish_reason") is not None:
             stream.finished = True
+            usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
+            request.app[METRICS].observe_chat(first_chunk_s, time.perf_counter() - started,
+                                              usage.get("completion_tokens"))
         yield payload
         if stream.finished:
             return
@@ -153,7 +212,7 @@ async def complete_chat(request: web.Request, data: dict) -> dict:
     stream = await open_chat(request, data)
     parts, last = [], {}
     try:
-        async for payload in chat_chunks(stream, request.app[SETTINGS]["chunk_timeout"]):
+        async for payload in chat_chunks(request, stream):
             parts.append(payload.get("content") or "")
             last = payload
     finally:
@@ -167,19 +226,19 @@ def sse(obj) -> bytes:
 
 async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
     """SSE: one chat.completion.chunk per reply chunk. The response starts with the first chunk, so
-    a request the worker rejects at once still gets a plain HTTP 500."""
+    a request the worker rejects at once still gets a plain HTTP error with the reply's status."""
     stream = await open_chat(request, body)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model_name(request, body)}
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
     response = None
     usage = None
     try:
-        chunks = chat_chunks(stream, request.app[SETTINGS]["chunk_timeout"])
+        chunks = chat_chunks(request, stream)
         try:
             async for payload in chunks:
                 delta = {"content": payload.get("content") or ""}
                 if response is None:
+                    base["model"] = model_name(request)
                     delta = {"role": "assistant", **delta}
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await response.prepare(request)
@@ -189,8 +248,9 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
         except (WorkerError, WorkerGone, TimeoutError) as exc:
             if response is None:
                 raise
-            await response.write(b"event: error\n" + sse({"error": {"message": str(exc), "type": "api_error",
-                                                                   "param": None, "code": None}}))
+            status, param, code = ((exc.status, exc.param, exc.code) if isinstance(exc, WorkerError)
+                                   else (500, None, None))
+            await response.write(b"event: error\n" + sse(error_body(status, str(exc), param, code)))
             return response
         if include_usage:
             await response.write(sse({**base, "choices": [], "usage": usage}))
@@ -234,24 +294,34 @@ def encode_embedding(vector: list[float], encoding_format: str):
 
 
 async def embeddings(request: web.Request) -> web.Response:
+    """Like the production daemon: strings go through `tokenize`, then token lists through `embeddings`.
+    `truncate_prompt_tokens` (vLLM's name) travels with both; the worker checks it and, when inputs are
+    cut, says how many tokens it embedded (its reply's usage)."""
     body = await read_json_object(request)
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ("float", "base64"):
         raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    if body.get("dimensions") is not None:
+        raise ApiError(400, "'dimensions' is not supported: the model's vectors have a fixed size; leave it out",
+                       param="dimensions")
+    optional_type(body, "user", str, "a string")
     texts, token_lists = token_lists_or_texts(body.get("input"))
+    options = {"truncate_prompt_tokens": body["truncate_prompt_tokens"]} if "truncate_prompt_tokens" in body else {}
     connection, timeout = request.app[CONNECTION], request.app[SETTINGS]["chunk_timeout"]
     if texts is not None:
-        tokenized = await connection.call("tokenize", {"input": texts}, timeout)
+        tokenized = await connection.call("tokenize", {"input": texts, **options}, timeout)
         token_lists = tokenized.get("tokens") if isinstance(tokenized, dict) else None
         if not isinstance(token_lists, list) or len(token_lists) != len(texts):
             raise WorkerError(f"the worker's tokenize reply has no 'tokens' list for {len(texts)} input(s)")
-    result = await connection.call("embeddings", {"input": token_lists}, timeout)
+    result = await connection.call("embeddings", {"input": token_lists, **options}, timeout)
     vectors = result.get("embeddings") if isinstance(result, dict) else None
     if not isinstance(vectors, list) or len(vectors) != len(token_lists):
         raise WorkerError(f"the worker's embeddings reply has no 'embeddings' list for {len(token_lists)} input(s)")
-    tokens = sum(len(t) for t in token_lists)
+    usage = result.get("usage")
+    tokens = (usage["prompt_tokens"] if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int
+              else sum(len(t) for t in token_lists))
     return web.json_response({
-        "object": "list", "model": model_name(request, body),
+        "object": "list", "model": model_name(request),
         "data": [{"object": "embedding", "embedding": encode_embedding(v, encoding_format), "index": i}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
@@ -279,19 +349,25 @@ async def responses(request: web.Request) -> web.Response:
     return web.json_response({
         "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
         "status": "completed" if result["finish_reason"] != "length" else "incomplete",
-        "model": model_name(request, body),
+        "model": model_name(request),
         "output": [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": result["content"], "annotations": []}]}],
         "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
                   "total_tokens": usage.get("total_tokens", 0)}})
 
 
-def make_app(connection: WorkerConnection, api_key: str | None, model: str, chunk_timeout: float) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+def make_app(connection: WorkerConnection, api_key: str | None, chunk_timeout: float,
+             health_timeout: float = HEALTH_TIMEOUT_S) -> web.Application:
+    """The HTTP front of a started WorkerConnection; the worker's health probe runs while the app does."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, openai_errors])
     app[CONNECTION] = connection
-    app[SETTINGS] = {"api_key": api_key, "model": model, "chunk_timeout": chunk_timeout, "started": int(time.time())}
+    app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "started": int(time.time())}
+    app[HEALTH] = health_state = WorkerHealth(connection, health_timeout)
+    app[METRICS] = ServingMetrics(lambda: health_state.stats, lambda: health_state.problem() is None)
+    app.cleanup_ctx.append(watch_worker)
     app.router.add_get("/", health)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings)
@@ -299,22 +375,36 @@ def make_app(connection: WorkerConnection, api_key: str | None, model: str, chun
     return app
 
 
+async def watch_worker(app: web.Application):
+    task = asyncio.create_task(app[HEALTH].watch())
+    yield
+    task.cancel()
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code."""
+    try:  # first, so that a busy port fails before the worker loads anything
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+        error(f"cannot listen on {args.host}:{args.port}: {reason}; pick a free --port (0: any) and an address of "
+              "this machine for --host")
+        return 1
     connection = WorkerConnection(args.worker)
     try:
         await connection.start()
     except OSError as exc:
         error(f"cannot start the worker {args.worker!r}: {exc}")
+        sock.close()
         return 1
     app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
-                   args.model_name, args.chunk_timeout)
+                   args.chunk_timeout, args.health_timeout)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     host, port = runner.addresses[0][:2]
-    error(f"listening on http://{host}:{port}")
+    log.info(f"listening on http://{host}:{port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -322,7 +412,7 @@ async def serve(args: argparse.Namespace) -> int:
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({stopping, connection.closed}, return_when=asyncio.FIRST_COMPLETED)
     by_signal = stop.is_set()
-    error("shutting down (signal)" if by_signal else "the worker closed its socket; shutting down")
+    log.info("shutting down (signal)" if by_signal else "the worker closed its socket; shutting down")
     await site.stop()
     code = await connection.stop()
     await runner.cleanup()
@@ -332,16 +422,22 @@ async def serve(args: argparse.Namespace) -> int:
     return 0 if by_signal or code == 0 else 1
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m daemon_protocol.mock_daemon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $HFENDPOINT_API_KEY)")
-    parser.add_argument("--model-name", default=os.environ.get("MODEL_ID") or "hfendpoint",
-                        help="the model id /v1/models lists (default: $MODEL_ID)")
     parser.add_argument("--chunk-timeout", type=float, default=CHUNK_TIMEOUT_S,
                         help="seconds to wait between two chunks of one request (default 300)")
+    parser.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
+                        help="seconds a health probe of the worker may go unanswered before /health answers 503 "
+                             f"(default {HEALTH_TIMEOUT_S:g})")
     parser.add_argument("worker", nargs=argparse.REMAINDER, help="-- WORKER_CMD [ARGS...]")
     args = parser.parse_args(argv)
     if args.worker[:1] == ["--"]:
@@ -352,7 +448,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(asyncio.run(serve(parse_args(sys.argv[1:] if argv is None else argv))))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    sys.exit(asyncio.run(serve(args)))
 
 
 if __name__ == "__main__":

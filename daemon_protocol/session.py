@@ -9,6 +9,7 @@ import traceback
 
 import msgpack
 
+from .errors import error_fields, error_message, error_status
 from .log import error
 from .registry import COROUTINE, STREAM, Registry
 from .writer import ReplyWriter, data_prefix
@@ -22,14 +23,6 @@ CORRUPT_STREAM_ERROR = "the daemon sent bytes that are not MessagePack; the hand
 def _preview(obj, limit: int = 120) -> str:
     text = repr(obj)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _error_message(exc: Exception) -> str:
-    """ValueError is how handlers reject bad input: its message is the reply. Anything else is
-    named by its type so that a bare KeyError('x') still reads as an error."""
-    if isinstance(exc, ValueError):
-        return str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class Session(asyncio.Protocol):
@@ -182,10 +175,11 @@ class Session(asyncio.Protocol):
             self._fail_request(request_id, name, exc)
 
     def _fail_request(self, request_id: int, name: str, exc: Exception) -> None:
-        message = _error_message(exc)
-        if not isinstance(exc, ValueError):
+        """The error reply, with the HTTP status the failure declares (docs/errors.md); an unexpected one
+        (status 500) is logged with its traceback."""
+        if error_status(exc) is None:
             error(f"request {request_id} ({name}) failed:\n" + "".join(traceback.format_exception(exc)).rstrip())
-        self._writer.send_error(request_id, message)
+        self._writer.send_error(request_id, error_message(exc), error_fields(exc))
 
     def _forget(self, request_id: int, task: asyncio.Task) -> None:
         if self._tasks.get(request_id) is task:

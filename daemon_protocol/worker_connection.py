@@ -13,6 +13,7 @@ import subprocess
 
 import msgpack
 
+from .errors import DEFAULT_STATUS
 from .log import error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
@@ -29,7 +30,24 @@ class UnencodableRequest(ValueError):
 
 
 class WorkerError(Exception):
-    """The worker answered a request with an error reply."""
+    """The worker answered a request with an error reply; status, param and code come from its extra keys
+    (docs/errors.md), status 500 when it has none."""
+
+    def __init__(self, message: str, status: int = DEFAULT_STATUS, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @classmethod
+    def from_reply(cls, reply: dict) -> "WorkerError":
+        status = reply.get("status")
+        if type(status) is not int or not 400 <= status <= 599:
+            status = DEFAULT_STATUS
+
+        def text(key: str) -> str | None:
+            value = reply.get(key)
+            return value if isinstance(value, str) and value else None
+        return cls(reply["error"], status, text("param"), text("code"))
 
 
 _GONE = object()
@@ -55,7 +73,7 @@ class RequestStream:
             raise WorkerGone("the worker exited")
         if isinstance(reply.get("error"), str):
             self.finished = True  # an error reply ends the request: nothing is left to cancel
-            raise WorkerError(reply["error"])
+            raise WorkerError.from_reply(reply)
         if "data" not in reply or reply["data"] is None:
             raise WorkerError(f"the worker's reply for request {self.id} has neither data nor error")
         return reply["data"]

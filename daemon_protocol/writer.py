@@ -62,8 +62,9 @@ class ReplyWriter:
         elif not self._flush_scheduled:
             self._schedule_flush()
 
-    def send_error(self, request_id: int, message: str) -> None:
-        self._buffer += msgpack.packb({"id": request_id, "error": message})
+    def send_error(self, request_id: int, message: str, extra: dict | None = None) -> None:
+        """Queue `{"id", "error"}`, plus `extra` keys (the status extension, daemon_protocol/errors.py)."""
+        self._buffer += msgpack.packb({"id": request_id, "error": message, **(extra or {})})
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:

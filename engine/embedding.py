@@ -1,4 +1,4 @@
-"""Embeddings the same way for every model: check, truncate, pack longest first without padding into batches
+"""Embeddings the same way for every model: check, pack longest first without padding into batches
 within a token budget, forward, pool and normalise as the model declares, and return in the caller's order.
 The decoder's ModelRunner and the EncoderRunner differ only in the forward they pass in."""
 import itertools
@@ -11,26 +11,25 @@ from torch import Tensor
 from models.pooling import PoolingConfig, pool
 
 
-def check_inputs(token_lists: list[list[int]], vocab_size: int) -> None:
-    """ValueError naming the first input that is empty or holds an id outside the vocabulary."""
+def max_input_tokens(max_model_len: int, pooling: PoolingConfig) -> int:
+    """The longest input the model embeds: its context, or sentence-transformers' max_seq_length when shorter."""
+    return min(max_model_len, pooling.max_seq_length or max_model_len)
+
+
+def check_inputs(token_lists: list[list[int]], vocab_size: int, max_tokens: int) -> None:
+    """ValueError naming the first input that is empty, longer than max_tokens (inputs are refused, not cut:
+    truncation is the caller's choice) or holds an id outside the vocabulary."""
     if not token_lists:
         raise ValueError("no inputs to embed")
     for i, tokens in enumerate(token_lists):
         if not tokens:
             raise ValueError(f"input {i} is empty: every input needs at least one token")
+        if len(tokens) > max_tokens:
+            raise ValueError(f"input {i} has {len(tokens)} tokens, more than the model's limit of {max_tokens}")
         low, high = min(tokens), max(tokens)
         if low < 0 or high >= vocab_size:
             raise ValueError(f"input {i} has token id {low if low < 0 else high}, outside the vocabulary "
                              f"[0, {vocab_size})")
-
-
-def truncate(tokens: list[int], limit: int) -> list[int]:
-    """Cut an over-long input to `limit` tokens, keeping its last one.
-
-    Tokenizers end an input with a special token ([SEP], </s>, <|endoftext|>) that CLS/last-token pooling and
-    sentence-transformers rely on: sentence-transformers truncates the text and then appends it, so keeping
-    the head and the last token yields the same ids as it would for the untruncated token list."""
-    return tokens if len(tokens) <= limit else tokens[:limit - 1] + tokens[-1:]
 
 
 def longest_first_batches(token_lists: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -64,9 +63,9 @@ def pack(token_lists: list[list[int]], device: torch.device) -> tuple[Tensor, Te
 
 def embed(token_lists: list[list[int]], forward: Callable[[list[list[int]]], tuple[Tensor, Tensor]],
           pooling: PoolingConfig, limit: int, max_batch_tokens: int, hidden_size: int) -> Tensor:
-    """One float32 vector per input [n, H] on the CPU, in the order given. forward(batch) returns the packed
-    hidden states [T, H] of a batch of token lists and the cu_seqlens it packed them with."""
-    token_lists = [truncate(tokens, limit) for tokens in token_lists]
+    """One float32 vector per input [n, H] on the CPU, in the order given, for inputs check_inputs() passed
+    with `limit`. forward(batch) returns the packed hidden states [T, H] of a batch of token lists and the
+    cu_seqlens it packed them with."""
     out = torch.empty(len(token_lists), hidden_size, dtype=torch.float32)
     for group in longest_first_batches(token_lists, max(max_batch_tokens, limit)):
         hidden, cu_seqlens = forward([token_lists[i] for i in group])

@@ -36,6 +36,6 @@ class EncoderRunner:
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:
         """One float32 vector per input [n, H] on the CPU, in the order given; bad input -> ValueError."""
-        check_inputs(token_lists, self.vocab_size)
+        check_inputs(token_lists, self.vocab_size, self.max_model_len)
         return embed(token_lists, self.forward, self.pooling, self.max_model_len, self.max_batch_tokens,
                      self.hidden_size)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine.config import EngineConfig
-from engine.embedding import embed, pack
+from engine.embedding import embed, max_input_tokens, pack
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from kernels import AttentionMetadata, gumbel_argmax
@@ -456,9 +456,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:
-        """Pooled float32 vectors [n, H] on the CPU (engine/embedding.py); inputs longer than the model's limit
-        keep their head and their last token (the end-of-text marker that last-token pooling reads)."""
-        limit = min(self.max_model_len, self.pooling.max_seq_length or self.max_model_len)
+        """Pooled float32 vectors [n, H] on the CPU (engine/embedding.py) of inputs already checked."""
+        limit = max_input_tokens(self.max_model_len, self.pooling)
         forward = functools.partial(self.collective, "_forward_cacheless")
         return embed(token_lists, forward, self.pooling, limit, self.config.max_embedding_batch_tokens,
                      self.hidden_size)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.embedding import check_inputs
+from engine.embedding import check_inputs, max_input_tokens
 from engine.encoder_runner import EncoderRunner
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
@@ -64,6 +64,7 @@ class Worker:
             self.core = EngineCore(config, loaded, self.ranks)
             self.embedder = self.core.runner
             self.eos_token_ids, self.max_model_len = self.core.eos_token_ids, self.core.max_model_len
+        self.max_embedding_tokens = max_input_tokens(self.embedder.max_model_len, self.embedder.pooling)
         self._cond = threading.Condition()
         self._new: list[_Request] = []
         self._aborts: list = []
@@ -101,7 +102,7 @@ class Worker:
 
     async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
         """Pooled, normalised vectors, computed between steps in batches with concurrent calls."""
-        check_inputs(token_lists, self.vocab_size)
+        check_inputs(token_lists, self.vocab_size, self.max_embedding_tokens)
         loop = asyncio.get_running_loop()
         job = _EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
         with self._cond:
@@ -109,6 +110,11 @@ class Worker:
             self._embed_jobs.append(job)
             self._cond.notify()
         return await job.future
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine takes no more work (a lost tensor-parallel rank, or shutdown), or None."""
+        return self._lost or ("the engine has shut down" if self._stopped else None)
 
     def _check_running(self) -> None:
         if self._lost:

@@ -4,55 +4,127 @@ Transport and its arguments are the protocol's (HFENDPOINT_FD, stdio, or a Unix 
 and engine come from the environment (see handler/model_source.py and engine/config.py).
 """
 
+import argparse
+import logging
 import os
 import sys
 import threading
 import time
 
 import daemon_protocol
-from engine import EngineConfig, Worker
-from handler.model_source import ModelNotFound, resolve_model
-from handler.service import Service
-from handler.tokenizer import load_tokenizer
+from daemon_protocol.transports import TransportError, parse_transport, transport_from_env
 
 HANDLER_NAMES = ("chat_completions", "tokenize", "embeddings", "models", "stats")
 FATAL_EXIT_GRACE_S = 1.0
+LOADING_LOG_INTERVAL_S = 10.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STDOUT_LOGGERS = ("handler.access", "handler.engine")  # per-request and periodic lines (handler/logs.py)
+OUR_LOGGERS = ("handler", "daemon_protocol", "engine", "models")  # INFO and up; other libraries' WARNING and up
+
+log = logging.getLogger("handler")
+
+DESCRIPTION = """\
+The handler process behind an inference endpoint's HTTP daemon: it loads the model given by MODEL_ID
+(or the one mounted at HFENDPOINT_REPOSITORY_DIR) and serves chat_completions, tokenize and embeddings
+over the daemon protocol. The daemon spawns it with HFENDPOINT_FD set; run it by hand behind the mock
+daemon: python -m daemon_protocol.mock_daemon -- python -m handler
+
+Engine settings come from the environment (HFENDPOINT_MAX_MODEL_LEN, HFENDPOINT_DEVICE, ...): the README's
+Configuration table lists them with their defaults."""
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked before anything loads, with the transport it names or the environment's."""
+    parser = argparse.ArgumentParser(prog="python -m handler", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("transport", nargs="?", metavar="TRANSPORT",
+                        help="fd:N, stdio, unix-listen:PATH or unix-connect:PATH (default: from HFENDPOINT_FD, "
+                             "HFENDPOINT_STDIO=1, HFENDPOINT_UNIX_LISTEN or HFENDPOINT_UNIX_CONNECT)")
+    args = parser.parse_args(argv)
+    try:
+        args.transport_kind = (parse_transport(args.transport) if args.transport else transport_from_env()).kind
+    except TransportError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def configure_logging(transport_kind: str) -> None:
+    """Timestamped lines; startup lines and problems on stderr (the daemon logs them at ERROR), the access
+    and engine lines on stdout, which in stdio mode carries the protocol: there they go to stderr too."""
+    formatter = logging.Formatter(LOG_FORMAT)
+    problems = logging.StreamHandler(sys.stderr)
+    problems.setFormatter(formatter)
+    logging.basicConfig(level=logging.WARNING, handlers=[problems], force=True)
+    for name in OUR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    chatter = logging.StreamHandler(sys.stderr if transport_kind == "stdio" else sys.stdout)
+    chatter.setFormatter(formatter)
+    for name in STDOUT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(chatter)
+        logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.transport_kind)
+    from engine import EngineConfig  # imported after the arguments are checked: torch takes seconds
+    from handler.model_source import ModelNotFound, resolve_model
     try:
         model = resolve_model()
         config = EngineConfig.from_env(model.path)
     except (ModelNotFound, ValueError) as exc:
-        daemon_protocol.error(f"handler: error: {exc}")
+        log.error(str(exc))
         return 2
     name = os.environ.get("HFENDPOINT_MODEL_NAME") or model.name
-    daemon_protocol.error(f"handler: loading {name} ({model.path})")
-    started = time.perf_counter()
-    try:
-        tokenizer = load_tokenizer(model.path)
-        worker = Worker(config, on_fatal=exit_soon)
-    except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
-        daemon_protocol.error(f"handler: error: cannot load {model.path}: {type(exc).__name__}: {exc}")
+    loaded = load(name, model.path, config)
+    if loaded is None:
         return 1
+    worker, tokenizer = loaded
     try:
-        stats = worker.stats()
-        daemon_protocol.error(f"handler: ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-                              f"max_model_len {worker.max_model_len}, {stats['num_total_blocks']} KV blocks")
+        from handler.service import Service
         service = Service(worker, tokenizer, name)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
-        daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None)
+        daemon_protocol.serve(args.transport)
         return 0
     finally:
         worker.shutdown()
+
+
+def load(name: str, path: str, config):
+    """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
+    reason logged) when loading fails."""
+    from engine import Worker
+    from handler.tokenizer import load_tokenizer
+    log.info(f"loading {name} ({path})")
+    started = time.perf_counter()
+    done = threading.Event()
+    threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
+    try:
+        tokenizer = load_tokenizer(path)
+        worker = Worker(config, on_fatal=exit_soon)
+    except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
+        log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        done.set()
+    stats = worker.stats()
+    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
+             f"max_model_len {worker.max_model_len}, {stats['num_total_blocks']} KV blocks")
+    return worker, tokenizer
+
+
+def log_loading(name: str, started: float, done: threading.Event) -> None:
+    while not done.wait(LOADING_LOG_INTERVAL_S):
+        log.info(f"still loading {name}: {time.perf_counter() - started:.0f}s so far")
 
 
 def exit_soon(reason: str) -> None:
     """The engine cannot go on (a tensor-parallel rank died). The Worker has failed the requests in flight;
     once their error replies are out, the process exits non-zero so that the daemon restarts or reports it
     (protocol.md, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
-    daemon_protocol.error(f"handler: error: {reason}; exiting")
+    log.error(f"{reason}; exiting")
     threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(1,)).start()
 
 

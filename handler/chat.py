@@ -1,17 +1,19 @@
 """An OpenAI chat completion request -> prompt token ids, sampling parameters and stop strings.
 
-Every problem raises RequestError with a message naming the field; the protocol layer sends the
-message back as the request's error reply. Defaults follow vLLM's OpenAI server: sampling fields the
-request leaves out come from the model's generation_config.json, then from SamplingParams; max_tokens
-defaults to the rest of the context.
+Every problem raises RequestError with a message naming the field (and `param`, for OpenAI's error
+object); the protocol layer sends it back as the request's error reply, status 400. Defaults follow vLLM's
+OpenAI server: sampling fields the request leaves out come from the model's generation_config.json, then from
+SamplingParams; max_tokens defaults to the rest of the context.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from daemon_protocol import RequestError
 from engine import SamplingParams
 
 MAX_STOP_STRINGS = 16  # each is checked against the held-back text after every token
@@ -28,10 +30,19 @@ GENERATION_CONFIG_DEFAULTS = {
 # request fields that map one to one onto SamplingParams
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos")
-
-
-class RequestError(ValueError):
-    """The request is invalid; the message says which field and why."""
+# The type of each request field that is read here or only passed along; checked before any value is used,
+# so that a wrong type is a 400 naming the field and the expected type. Ranges are SamplingParams' to check.
+FIELD_TYPES = {
+    "temperature": "number", "top_p": "number", "min_p": "number", "presence_penalty": "number",
+    "frequency_penalty": "number", "repetition_penalty": "number",
+    "top_k": "integer", "seed": "integer", "max_tokens": "integer", "max_completion_tokens": "integer",
+    "n": "integer",
+    "ignore_eos": "boolean", "add_generation_prompt": "boolean", "stream": "boolean", "store": "boolean",
+    "model": "string", "user": "string", "service_tier": "string",
+    "stream_options": "map", "chat_template_kwargs": "map", "metadata": "map",
+}
+ROLES = ("system", "user", "assistant", "tool", "developer")
+TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for system messages, which templates know
 
 
 @dataclass(frozen=True)
@@ -54,12 +65,13 @@ class ChatRequest:
 def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
+    check_field_types(data)
     messages = parse_messages(data.get("messages"))
     prompt = render_prompt(model.tokenizer, messages, data)
     prompt_token_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
     if data.get("n") not in (None, 1):
-        raise RequestError(f"n: only n=1 is supported, got {data['n']!r}")
+        raise RequestError(f"n: only n=1 is supported, got {data['n']!r}", param="n")
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
     sampling = {name: fields[name] for name in SAMPLING_FIELDS if name in fields}
@@ -68,29 +80,54 @@ def parse_chat_request(data, model: ChatModel) -> ChatRequest:
         params = SamplingParams(
             **sampling, max_tokens=max_tokens, stop_token_ids=() if ignore_eos else model.eos_token_ids
         )
-    except ValueError as exc:
-        raise RequestError(str(exc)) from exc
+    except ValueError as exc:  # its messages start with the field's name
+        field = next((name for name in sampling if str(exc).startswith(f"{name} ")), None)
+        raise RequestError(str(exc), param=field) from exc
     return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")))
+
+
+def check_field_types(data: dict) -> None:
+    for name, kind in FIELD_TYPES.items():
+        value = data.get(name)
+        if value is not None and not is_a(value, kind):
+            raise RequestError(f"{name} must be {'an' if kind == 'integer' else 'a'} {kind}, got {value!r}",
+                               param=name)
+        if kind == "number" and value is not None and not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value!r}", param=name)
+
+
+def is_a(value, kind: str) -> bool:
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {"boolean": bool, "string": str, "map": dict}[kind])
 
 
 def parse_messages(messages) -> list[dict]:
     if messages is None:
-        raise RequestError("messages is required")
+        raise RequestError("messages is required", param="messages")
     if not isinstance(messages, list):
-        raise RequestError(f"messages must be a list of messages, got {type_name(messages)}")
+        raise RequestError(f"messages must be a list of messages, got {type_name(messages)}", param="messages")
     if not messages:
-        raise RequestError("messages must not be empty")
+        raise RequestError("messages must not be empty", param="messages")
     return [parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
 
 
 def parse_message(message, where: str) -> dict:
-    """A copy with a string role (default "user") and string content; other keys pass to the template."""
+    """A copy with a known role (default "user"; developer becomes system) and string content; other keys
+    pass to the template."""
     if not isinstance(message, dict):
-        raise RequestError(f"{where} must be a map with role and content, got {type_name(message)}")
+        raise RequestError(f"{where} must be a map with role and content, got {type_name(message)}", param="messages")
     role = message.get("role") or "user"
     if not isinstance(role, str):
-        raise RequestError(f"{where}.role must be a string, got {type_name(role)}")
-    return {**message, "role": role, "content": message_text(message.get("content"), f"{where}.content")}
+        raise RequestError(f"{where}.role must be a string, got {type_name(role)}", param="messages")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+    if message.get("name") is not None and not isinstance(message["name"], str):
+        raise RequestError(f"{where}.name must be a string, got {type_name(message['name'])}", param="messages")
+    return {**message, "role": TEMPLATE_ROLES.get(role, role),
+            "content": message_text(message.get("content"), f"{where}.content")}
 
 
 def message_text(content, where: str) -> str:
@@ -99,23 +136,22 @@ def message_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts, got {type_name(content)}")
+        raise RequestError(f"{where} must be a string or a list of text parts, got {type_name(content)}",
+                           param="messages")
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type", "text") not in TEXT_PART_TYPES:
             kind = part.get("type") if isinstance(part, dict) else type_name(part)
-            raise RequestError(f"{where}[{i}]: only text parts are supported, got {kind}")
+            raise RequestError(f"{where}[{i}]: only text parts are supported, got {kind}", param="messages")
         if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{i}].text must be a string")
+            raise RequestError(f"{where}[{i}].text must be a string", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict) -> str:
     kwargs = data.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise RequestError(f"chat_template_kwargs must be a map, got {type_name(kwargs)}")
-    add_generation_prompt = optional(data, "add_generation_prompt", bool, True)
+    add_generation_prompt = data.get("add_generation_prompt") is not False
     if tokenizer.chat_template is None:
         raise RequestError("the model has no chat template, so it cannot serve chat completions")
     try:
@@ -123,30 +159,29 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
-        raise RequestError(f"messages: the chat template rejected them: {exc}") from exc
+        raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens >= max_model_len:
         raise RequestError(
             f"messages: the prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
-            f"the model's maximum context length of {max_model_len} tokens; shorten the messages"
-        )
+            f"the model's maximum context length of {max_model_len} tokens; shorten the messages",
+            param="messages", code="context_length_exceeded")
 
 
 def parse_max_tokens(data: dict, fields: dict, num_prompt_tokens: int, max_model_len: int) -> int:
     room = max_model_len - num_prompt_tokens
     for name in ("max_completion_tokens", "max_tokens"):
         if data.get(name) is not None:
-            requested = integer(data, name)
+            requested = data[name]  # an integer: check_field_types
             if requested < 1:
-                raise RequestError(f"{name} must be at least 1, got {requested}")
+                raise RequestError(f"{name} must be at least 1, got {requested}", param=name)
             if requested > room:
                 raise RequestError(
                     f"{name}: this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} "
                     f"prompt tokens plus {requested} completion tokens is {num_prompt_tokens + requested}; "
-                    f"reduce {name} or the messages"
-                )
+                    f"reduce {name} or the messages", param=name, code="context_length_exceeded")
             return requested
     default = fields.get("max_tokens")
     return min(room, default) if isinstance(default, int) and default >= 1 else room
@@ -157,26 +192,11 @@ def parse_stop(stop) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r:.100}",
+                           param="stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
     return tuple(stops)
-
-
-def integer(fields: dict, name: str) -> int:
-    value = fields[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer, got {value!r}")
-    return value
-
-
-def optional(fields: dict, name: str, kind: type, default):
-    value = fields.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind):
-        raise RequestError(f"{name} must be a {kind.__name__}, got {value!r}")
-    return value
 
 
 def sampling_defaults(model_path: str) -> dict:

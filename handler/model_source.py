@@ -6,11 +6,12 @@ packaged SmolLM2 when the hub cannot be reached: an explicit MODEL_ID that canno
 """
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import daemon_protocol
+log = logging.getLogger(__name__)
 
 REPOSITORY_DIR = "/repository"
 DEFAULT_MODEL_ID = "Qwen/Qwen3-0.6B"
@@ -44,7 +45,7 @@ def resolve_model(env=os.environ) -> ResolvedModel:
         packaged = packaged_model_path()
         if packaged is None:
             raise ModelNotFound(f"{exc}; the packaged fallback ({PACKAGED_MODEL[0]}) is not installed either") from exc
-        daemon_protocol.error(f"handler: {exc}: serving the packaged SmolLM2-135M-Instruct instead ({packaged})")
+        log.warning(f"{exc}: serving the packaged SmolLM2-135M-Instruct instead ({packaged})")
         return ResolvedModel(packaged, "SmolLM2-135M-Instruct")
 
 

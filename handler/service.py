@@ -1,24 +1,36 @@
 """The request handlers: chat_completions, tokenize, embeddings, and the extras models and stats.
 
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
-the request's error reply. Chat runs on the engine Worker through a per-request queue of outputs.
+the request's error reply (RequestError: 400 naming the field; EngineUnavailable: 503). Chat runs on the
+engine Worker through a per-request queue of outputs. Each request ends with an access line (handler/logs.py).
 Encoding (chat templates, tokenizing) runs on a thread of its own, with its own copy of the tokenizer, so a
 long prompt does not hold up the event loop that streams every other request's chunks.
 """
 
 import asyncio
+import contextlib
 import copy
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
+from daemon_protocol import RequestError
 from engine import Worker
-from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults, type_name
+from handler.chat import ChatModel, parse_chat_request, sampling_defaults, type_name
 from handler.detokenizer import Detokenizer
+from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.tokenizer import embedding_token_ids
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine takes no more requests (a tensor-parallel rank died, or it shut down): 503, and the
+    handler exits for the daemon to restart it."""
+
+    status = 503
+    code = "engine_unavailable"
+
+
 class Service:
-    def __init__(self, worker: Worker, tokenizer, model_name: str):
+    def __init__(self, worker: Worker, tokenizer, model_name: str, engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
@@ -30,6 +42,9 @@ class Service:
                                     sampling_defaults(worker.model_dir))
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._request_ids = itertools.count(1)
+        self.generated_tokens = 0  # by every chat request so far, for the engine line
+        self._engine_log_interval = engine_log_interval
+        self._engine_report: asyncio.Task | None = None
 
     async def encode(self, function, *args):
         """function(*args) on the encoding thread."""
@@ -37,46 +52,73 @@ class Service:
 
     async def chat_completions(self, data):
         """Streams {"content", "finish_reason"} chunks; the last one has a finish_reason and usage."""
-        if self.worker.kind != "decoder":
-            raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
-        request = await self.encode(parse_chat_request, data, self.chat_model)
         request_id = f"chat-{next(self._request_ids)}"
-        completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids, request.stop))
-        outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
-        try:
-            while completion.finish_reason is None:
-                batch = [await outputs.get()]
-                while not outputs.empty():  # coalesce whatever already arrived into one chunk
-                    batch.append(outputs.get_nowait())
-                content = "".join(completion.consume(output) for output in batch)
-                if completion.finish_reason is not None:
-                    yield {"content": content, "finish_reason": completion.finish_reason,
-                           "usage": usage(len(request.prompt_token_ids), completion.num_tokens)}
-                elif content:
-                    yield {"content": content, "finish_reason": None}
-        finally:
-            if not completion.engine_finished:  # cancelled, disconnected or cut by a stop string: free its blocks
-                self.worker.abort(request_id)
+        with logged_request(request_id, "chat_completions") as log, self.engine_errors():
+            if self.worker.kind != "decoder":
+                raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
+            request = await self.encode(parse_chat_request, data, self.chat_model)
+            log.prompt_tokens = len(request.prompt_token_ids)
+            completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids,
+                                                request.stop))
+            outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
+            self.start_engine_report()
+            try:
+                while completion.finish_reason is None:
+                    batch = [await outputs.get()]
+                    while not outputs.empty():  # coalesce whatever already arrived into one chunk
+                        batch.append(outputs.get_nowait())
+                    content = "".join(completion.consume(output) for output in batch)
+                    self.generated_tokens += completion.num_tokens - log.completion_tokens
+                    log.completion_tokens = completion.num_tokens
+                    if completion.num_tokens:
+                        log.first_token()
+                    if completion.finish_reason is not None:
+                        yield {"content": content, "finish_reason": completion.finish_reason,
+                               "usage": usage(len(request.prompt_token_ids), completion.num_tokens)}
+                    elif content:
+                        yield {"content": content, "finish_reason": None}
+            finally:
+                if not completion.engine_finished:  # cancelled, disconnected or cut by a stop string: free its blocks
+                    self.worker.abort(request_id)
 
     async def tokenize(self, data):
-        texts = field(data, "input")
-        if isinstance(texts, str):
-            texts = [texts]
-        if not isinstance(texts, list) or not texts:
-            raise RequestError(f"input must be a non-empty list of strings, got {type_name(texts)}")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text:
-                raise RequestError(f"input[{i}] must be a non-empty string, got {text!r}")
-        tokens = await self.encode(embedding_token_ids, self.chat_model.tokenizer, texts, self.worker.max_model_len)
-        return {"tokens": tokens}
+        """Token ids of each input string; longer than the model's embedding limit is an error unless
+        `truncate_prompt_tokens` asks to keep the last tokens (engine/embedding.py, docs/errors.md)."""
+        with logged_request(f"tokenize-{next(self._request_ids)}", "tokenize") as log:
+            texts = field(data, "input")
+            if isinstance(texts, str):
+                texts = [texts]
+            if not isinstance(texts, list) or not texts:
+                raise RequestError(f"input must be a non-empty list of strings, got {type_name(texts)}", param="input")
+            for i, text in enumerate(texts):
+                if not isinstance(text, str) or not text:
+                    raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
+            keep_last = self.truncation(data)
+            tokens = await self.encode(embedding_token_ids, self.chat_model.tokenizer, texts, keep_last)
+            self.check_embedding_lengths(tokens)
+            log.prompt_tokens = sum(map(len, tokens))
+            return {"tokens": tokens}
 
     async def embeddings(self, data):
-        token_lists = field(data, "input")
-        if not isinstance(token_lists, list) or not token_lists:
-            raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}")
-        for i, tokens in enumerate(token_lists):
-            check_token_list(tokens, f"input[{i}]", self.worker.max_model_len)
-        return {"embeddings": await self.worker.embed(token_lists)}  # the worker checks the vocabulary range
+        """Pooled vectors of token id lists; with `truncate_prompt_tokens` the reply also says how many
+        tokens were embedded (`usage`), since inputs may have been cut."""
+        with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors():
+            token_lists = field(data, "input")
+            if not isinstance(token_lists, list) or not token_lists:
+                raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}",
+                                   param="input")
+            for i, tokens in enumerate(token_lists):
+                check_token_list(tokens, f"input[{i}]")
+            keep_last = self.truncation(data)
+            if keep_last is not None:
+                token_lists = [tokens[-keep_last:] for tokens in token_lists]
+            self.check_embedding_lengths(token_lists)
+            log.prompt_tokens = sum(map(len, token_lists))
+            vectors = await self.worker.embed(token_lists)  # the worker checks the vocabulary range
+            if keep_last is None:
+                return {"embeddings": vectors}
+            return {"embeddings": vectors, "usage": {"prompt_tokens": log.prompt_tokens,
+                                                     "total_tokens": log.prompt_tokens}}
 
     async def models(self, data):
         return {"id": self.model_name, "kind": self.worker.kind, "max_model_len": self.worker.max_model_len,
@@ -84,6 +126,46 @@ class Service:
 
     async def stats(self, data):
         return self.worker.stats()
+
+    def truncation(self, data: dict) -> int | None:
+        """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
+        vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit."""
+        keep_last = data.get("truncate_prompt_tokens")
+        limit = self.worker.max_embedding_tokens
+        if keep_last is None:
+            return None
+        if type(keep_last) is not int or not (keep_last == -1 or 1 <= keep_last <= limit):
+            raise RequestError(f"truncate_prompt_tokens must be -1 (the model's limit) or an integer from 1 to "
+                               f"{limit}, got {keep_last!r:.100}", param="truncate_prompt_tokens")
+        return limit if keep_last == -1 else keep_last
+
+    def check_embedding_lengths(self, token_lists: list[list[int]]) -> None:
+        """Inputs longer than the model embeds are refused, as OpenAI does, not cut silently."""
+        limit = self.worker.max_embedding_tokens
+        for i, tokens in enumerate(token_lists):
+            if len(tokens) > limit:
+                raise RequestError(
+                    f"input[{i}] is {len(tokens)} tokens, more than the model's maximum of {limit} for embeddings; "
+                    f"shorten it, or set truncate_prompt_tokens to embed its last tokens only",
+                    param="input", code="context_length_exceeded")
+
+    @contextlib.contextmanager
+    def engine_errors(self):
+        """The engine's RuntimeError once it is lost or stopped becomes EngineUnavailable (503)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            reason = self.worker.unavailable
+            if reason is None or isinstance(exc, EngineUnavailable):
+                raise
+            raise EngineUnavailable(f"the engine cannot serve requests: {reason}") from exc
+
+    def start_engine_report(self) -> None:
+        """The periodic engine line (handler/logs.py), started with the first chat request on this loop."""
+        loop = asyncio.get_running_loop()
+        if self._engine_report is None or self._engine_report.get_loop() is not loop:
+            self._engine_report = loop.create_task(
+                report_engine(self.worker.stats, lambda: self.generated_tokens, self._engine_log_interval))
 
 
 class Completion:
@@ -119,20 +201,18 @@ class Completion:
         return "".join(pieces)
 
 
-def check_token_list(tokens, where: str, max_length: int) -> None:
+def check_token_list(tokens, where: str) -> None:
     if not isinstance(tokens, list) or not tokens:
-        raise RequestError(f"{where} must be a non-empty list of token ids, got {type_name(tokens)}")
-    if len(tokens) > max_length:
-        raise RequestError(f"{where} has {len(tokens)} tokens, more than the model's maximum of {max_length}")
+        raise RequestError(f"{where} must be a non-empty list of token ids, got {type_name(tokens)}", param="input")
     if not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
-        raise RequestError(f"{where} must hold integer token ids only")
+        raise RequestError(f"{where} must hold integer token ids only", param="input")
 
 
 def field(data, name: str):
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
     if data.get(name) is None:
-        raise RequestError(f"{name} is required")
+        raise RequestError(f"{name} is required", param=name)
     return data[name]
 
 

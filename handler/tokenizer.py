@@ -18,12 +18,17 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def embedding_token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int) -> list[list[int]]:
+def embedding_token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], keep_last: int | None) -> list[list[int]]:
     """The one place that decides which special tokens an embedding input carries.
 
     The tokenizer's own post-processor knows the model: encoders get [CLS] ... [SEP], decoder embedding
-    models (Qwen3-Embedding) get their trailing end-of-text token. Long inputs are truncated to the
-    model's limit, keeping the special tokens, as sentence-transformers does.
+    models (Qwen3-Embedding) get their trailing end-of-text token. With keep_last, a longer input keeps
+    its last tokens and its special tokens, keep_last in all (vLLM's truncate_prompt_tokens); without it
+    nothing is cut (nor warned about: the caller refuses what is too long).
     """
-    encoded = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)
+    if keep_last is None:
+        encoded = tokenizer(texts, add_special_tokens=True, verbose=False)
+    else:
+        tokenizer.truncation_side = "left"  # read at each call; the caller's tokenizer is its own copy
+        encoded = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=keep_last)
     return [list(ids) for ids in encoded["input_ids"]]

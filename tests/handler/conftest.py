@@ -46,7 +46,7 @@ class HostedMockDaemon:
     async def _start(self, command: list[str]) -> None:
         self.connection = WorkerConnection(command)
         await self.connection.start()
-        self.runner = web.AppRunner(make_app(self.connection, None, "smollm2", 300.0), handler_cancellation=True)
+        self.runner = web.AppRunner(make_app(self.connection, None, 300.0), handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = "http://127.0.0.1:%d/v1" % self.runner.addresses[0][1]
@@ -69,11 +69,14 @@ class HostedMockDaemon:
 
 
 @pytest.fixture(scope="session")
-def smollm2_service(smollm2_path):
-    """`python -m handler` serving SmolLM2 on CPU behind the mock daemon, started once per session."""
+def smollm2_service(smollm2_path, tmp_path_factory):
+    """`python -m handler` serving SmolLM2 on CPU behind the mock daemon, started once per session, named
+    "smollm2-test"; its stdout (the access lines) goes to the file `daemon.handler_stdout`."""
     env = {"MODEL_ID": smollm2_path, "HFENDPOINT_DEVICE": "cpu", "HFENDPOINT_MAX_MODEL_LEN": "512",
-           "HFENDPOINT_REPOSITORY_DIR": "/nonexistent", "HF_HUB_OFFLINE": "1"}
-    daemon = HostedMockDaemon([sys.executable, "-m", "handler"], env)
+           "HFENDPOINT_REPOSITORY_DIR": "/nonexistent", "HF_HUB_OFFLINE": "1", "HFENDPOINT_MODEL_NAME": "smollm2-test"}
+    stdout = tmp_path_factory.mktemp("handler") / "stdout"
+    daemon = HostedMockDaemon(["sh", "-c", 'exec "$@" >"$0"', str(stdout), sys.executable, "-m", "handler"], env)
+    daemon.handler_stdout = stdout
     daemon.call("models")  # answered once the model is loaded
     yield daemon
     assert daemon.stop() == 0, "the handler exits 0 on EOF"

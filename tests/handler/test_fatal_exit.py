@@ -6,7 +6,7 @@ import threading
 import handler.__main__ as handler_main
 
 
-def test_exit_soon_exits_non_zero_after_the_grace(monkeypatch, capsys):
+def test_exit_soon_exits_non_zero_after_the_grace(monkeypatch, caplog):
     exited = threading.Event()
     codes = []
     monkeypatch.setattr(os, "_exit", lambda code: (codes.append(code), exited.set()))
@@ -14,4 +14,5 @@ def test_exit_soon_exits_non_zero_after_the_grace(monkeypatch, capsys):
     assert codes == []  # not at once: the error replies go out first
     assert exited.wait(handler_main.FATAL_EXIT_GRACE_S + 5)
     assert codes == [1]
-    assert "rank 1 exited" in capsys.readouterr().err
+    assert [(record.name, record.levelname) for record in caplog.records if "rank 1 exited" in record.message] == [
+        ("handler", "ERROR")]

@@ -1,8 +1,12 @@
 """`python -m handler` serving SmolLM2 on CPU behind the mock daemon, driven by the real openai client."""
 
 import asyncio
+import json
 import math
+import re
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -99,20 +103,66 @@ def test_client_disconnect_frees_the_kv_blocks(client, smollm2_service):
     assert stats["running"] == 0 and stats["waiting"] == 0
 
 
-@pytest.mark.parametrize("request_kwargs, problem", [
-    ({"messages": [{"role": "user", "content": "word " * 600}]}, "maximum context length of 512"),
-    ({"messages": CAPITAL, "temperature": -1}, "temperature must be >= 0"),
-    ({"messages": []}, "messages must not be empty"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": CAPITAL, "max_tokens": 600}, "max_tokens"),
-    ({"messages": CAPITAL, "n": 2}, "only n=1"),
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("request_kwargs, param, problem", [
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages", "maximum context length of 512"),
+    ({"messages": CAPITAL, "temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"messages": CAPITAL, "temperature": "hot"}, "temperature", "temperature must be a number, got 'hot'"),
+    ({"messages": CAPITAL, "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
+    ({"messages": CAPITAL, "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+    ({"messages": []}, "messages", "messages must not be empty"),
+    ({"messages": "hi"}, "messages", "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages[0].role must be one of"),
+    ({"messages": CAPITAL, "max_tokens": 600}, "max_tokens", "max_tokens"),
+    ({"messages": CAPITAL, "n": 2}, "n", "only n=1"),
 ])
-def test_bad_requests_get_an_error_naming_the_problem_and_the_next_succeeds(client, request_kwargs, problem):
-    with pytest.raises(openai.APIStatusError) as error:
-        client.chat.completions.create(model="smollm2", **{"temperature": 0, **request_kwargs})
-    assert error.value.status_code in (400, 500)
+def test_bad_requests_get_a_400_naming_the_field_and_the_next_succeeds(client, stream, request_kwargs, param, problem):
+    with pytest.raises(openai.BadRequestError) as error:
+        result = client.chat.completions.create(model="smollm2",
+                                                **{"temperature": 0, "stream": stream, **request_kwargs})
+        list(result) if stream else None
+    assert (error.value.status_code, error.value.type, error.value.param) == (400, "invalid_request_error", param)
     assert problem in error.value.message
     assert "Paris" in complete(client, CAPITAL, max_tokens=16).choices[0].message.content
+
+
+def test_nan_is_a_400_naming_the_field(smollm2_service):
+    """JSON has no NaN, but Python's and JavaScript's encoders write one; the openai client refuses to send it."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    request = urllib.request.Request(f"{smollm2_service.url}/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 400
+    error = json.loads(raised.value.read())["error"]
+    assert error["param"] == "temperature" and "temperature must be a finite number, got nan" in error["message"]
+
+
+def test_a_prompt_past_the_context_says_so_as_openai_does(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 600}])
+    assert error.value.code == "context_length_exceeded"
+
+
+def test_replies_and_the_model_list_carry_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-test"]
+    assert complete(client, CAPITAL, max_tokens=2).model == "smollm2-test"
+    assert {c.model for c in stream(client, CAPITAL, max_tokens=2)[1]} == {"smollm2-test"}
+    assert client.embeddings.create(model="smollm2", input="x").model == "smollm2-test"
+
+
+def test_each_request_ends_with_an_access_line_on_stdout(client, smollm2_service):
+    reply = complete(client, [{"role": "user", "content": "Name a color. (access line test)"}], max_tokens=5)
+    pattern = (rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO handler\.access: chat-\d+ chat_completions status=200 "
+               rf"prompt_tokens={reply.usage.prompt_tokens} completion_tokens={reply.usage.completion_tokens} "
+               rf"ttft=\d+\.\d+s total=\d+\.\d+s$")
+    with pytest.raises(openai.BadRequestError):
+        complete(client, CAPITAL, max_tokens=0)
+    deadline = time.monotonic() + 10
+    while not (re.search(pattern, text := smollm2_service.handler_stdout.read_text(), re.MULTILINE)
+               and "chat_completions status=400" in text):
+        assert time.monotonic() < deadline, f"no access line matching {pattern!r} in:\n{text}"
+        time.sleep(0.05)
 
 
 def test_embeddings_have_the_hidden_size_unit_norm_and_are_deterministic(client):
@@ -127,9 +177,9 @@ def test_embeddings_have_the_hidden_size_unit_norm_and_are_deterministic(client)
 
 
 def test_bad_embedding_inputs_are_rejected(client, smollm2_service):
-    with pytest.raises(openai.APIStatusError, match="vocabulary"):
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
         client.embeddings.create(model="smollm2", input=[[1, 2, 10**9]])
-    with pytest.raises(openai.APIStatusError, match="more than the model's maximum of 512"):
-        client.embeddings.create(model="smollm2", input=[[1] * 513])
+    with pytest.raises(openai.BadRequestError, match=r"input\[1\] is 513 tokens, more than the model's maximum of 512"):
+        client.embeddings.create(model="smollm2", input=[[1], [1] * 513])
     assert smollm2_service.call("tokenize", {"input": ["hi"]})["tokens"] == [smollm2_service.call(
         "tokenize", {"input": ["hi", "there"]})["tokens"][0]]

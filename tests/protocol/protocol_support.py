@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -99,24 +101,48 @@ class MockDaemon:
             time.sleep(0.02)
         return match.group(0)
 
+    def health(self) -> tuple[int, str]:
+        """(status, body) of GET /health."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=REPLY_TIMEOUT_S) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
 
-def start_mock_daemon(tmp_path: Path, api_key: str | None = None, extra=()) -> MockDaemon:
-    """Start the mock daemon on a free port in front of echo_worker.py; its stderr goes to a file."""
+    def wait_for_health(self, status: int, timeout: float = REPLY_TIMEOUT_S) -> float:
+        """Seconds until /health answers `status`."""
+        started = time.monotonic()
+        while (answer := self.health())[0] != status:
+            assert time.monotonic() - started < timeout, f"/health still answers {answer} after {timeout} s"
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+    def worker_pid(self) -> int:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        assert len(children) == 1, children
+        return int(children[0])
+
+
+def start_mock_daemon(tmp_path: Path, api_key: str | None = None, extra=(), env=None, ready=True) -> MockDaemon:
+    """Start the mock daemon on a free port in front of echo_worker.py (with `env` added to its environment);
+    its stderr goes to a file. With `ready`, wait until /health says the worker serves."""
     log_path = tmp_path / f"mock_daemon_{time.monotonic_ns()}.log"
     args = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0", *extra]
     if api_key:
         args += ["--api-key", api_key]
     args += ["--", sys.executable, ECHO_WORKER]
-    env = child_env()
+    env = child_env(**(env or {}))
     env.pop("HFENDPOINT_API_KEY", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stderr=log, cwd=ROOT)
     daemon = MockDaemon(proc, log_path)
     try:
         line = daemon.wait_for_log(r"listening on http://127\.0\.0\.1:(\d+)")
+        daemon.port = int(line.rsplit(":", 1)[1])
+        daemon.base_url = f"http://127.0.0.1:{daemon.port}"
+        if ready:
+            daemon.wait_for_health(200)
     except AssertionError:
         stop_process(proc, signal.SIGKILL)
         raise
-    daemon.port = int(line.rsplit(":", 1)[1])
-    daemon.base_url = f"http://127.0.0.1:{daemon.port}"
     return daemon

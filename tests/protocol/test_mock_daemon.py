@@ -1,13 +1,16 @@
 """The mock daemon driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
 import json
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol_support import ROOT, child_env
 
@@ -44,8 +47,14 @@ def test_health_needs_no_key(mock_daemon):
     assert curl(f"{mock_daemon.base_url}/health")[0] == 200
 
 
-def test_models(client):
-    assert [m.id for m in client.models.list().data] == ["hfendpoint"]
+def test_the_model_name_is_the_workers_whatever_the_request_says(client):
+    assert [m.id for m in client.models.list().data] == ["echo-model"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model="echo", messages=messages).model == "echo-model"
+    assert {c.model for c in client.chat.completions.create(model="echo", messages=messages, stream=True)} == {
+        "echo-model"}
+    assert client.embeddings.create(model="whatever", input="x").model == "echo-model"
+    assert client.responses.create(model="echo", input="x").model == "echo-model"
 
 
 def test_chat_non_streaming(client):
@@ -125,6 +134,7 @@ def test_client_disconnect_mid_stream_cancels_the_worker_request(mock_daemon, cl
     ('{"messages": "hi"}', "messages"),
     ('{"messages": [1]}', "messages"),
     ('{"messages": [], "stream": "yes"}', "stream"),
+    ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
     ('{"messages": [], "max_tokens": 1180591620717411303424}', None),  # 2**70: no MessagePack integer holds it
 ])
 def test_bad_chat_bodies_get_400(mock_daemon, body, param):
@@ -150,12 +160,95 @@ def test_missing_or_wrong_api_key_gets_401(mock_daemon):
         assert json.loads(text)["error"]["code"] == "invalid_api_key"
 
 
-def test_worker_error_gets_500(client):
-    for stream in (False, True):
-        with pytest.raises(openai.InternalServerError, match="echo worker was asked to fail"):
-            result = client.chat.completions.create(model="fail", stream=stream,
-                                                    messages=[{"role": "user", "content": "x"}])
-            list(result) if stream else None
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model, error_class, status, kind, code", [
+    ("fail", openai.BadRequestError, 400, "invalid_request_error", None),
+    ("error", openai.InternalServerError, 500, "api_error", None),
+    ("unavailable", openai.InternalServerError, 503, "api_error", "echo_unavailable"),
+])
+def test_a_worker_error_reply_gets_its_status(client, stream, model, error_class, status, kind, code):
+    """Streaming or not: the worker refuses before the first chunk, so the answer is a plain HTTP error."""
+    with pytest.raises(error_class) as raised:
+        result = client.chat.completions.create(model=model, stream=stream, messages=[{"role": "user", "content": "x"}])
+        list(result) if stream else None
+    assert raised.value.status_code == status
+    assert (raised.value.type, raised.value.code) == (kind, code)
+
+
+def test_an_unexpected_error_logs_its_traceback_and_a_refusal_does_not(mock_daemon, client):
+    for model in ("fail", "error"):
+        with pytest.raises(openai.APIStatusError):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+    mock_daemon.wait_for_log("RuntimeError: echo worker broke")
+    assert "ValueError" not in mock_daemon.log()
+
+
+def test_health_answers_503_until_the_worker_has_loaded(spawn_mock_daemon):
+    daemon = spawn_mock_daemon(env={"ECHO_WORKER_START_DELAY_S": "1.5"}, ready=False)
+    status, text = daemon.health()
+    assert status == 503 and "starting" in text
+    assert curl(f"{daemon.base_url}/")[0] == 503
+    assert daemon.wait_for_health(200) > 0.5
+    assert curl(f"{daemon.base_url}/")[0] == 200
+
+
+def test_health_answers_503_while_the_worker_is_stopped_and_200_once_it_goes_on(spawn_mock_daemon):
+    daemon = spawn_mock_daemon(extra=["--health-timeout", "1"])
+    worker = daemon.worker_pid()
+    try:
+        subprocess.run(["kill", "-STOP", str(worker)], check=True)
+        daemon.wait_for_health(503, timeout=5)
+        assert "has not answered a health probe" in daemon.health()[1]
+    finally:
+        subprocess.run(["kill", "-CONT", str(worker)], check=True)
+    daemon.wait_for_health(200, timeout=5)
+
+
+def metric_samples(daemon) -> dict:
+    """{(sample name, frozenset of labels): value} of GET /metrics, read by prometheus-client's parser."""
+    with urllib.request.urlopen(f"{daemon.base_url}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_metrics_count_requests_and_time_tokens_and_carry_the_engine_stats(spawn_mock_daemon):
+    daemon = spawn_mock_daemon()
+    client = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="none", max_retries=0, timeout=20)
+    for _ in range(3):
+        client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "one two three four"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="fail", messages=[{"role": "user", "content": "x"}])
+    time.sleep(1.5)  # a stats probe has been answered
+    samples = metric_samples(daemon)
+    chat = "/v1/chat/completions"
+    assert samples[("nanovllm_http_requests_total", frozenset({("route", chat), ("status", "200")}))] == 3
+    assert samples[("nanovllm_http_requests_total", frozenset({("route", chat), ("status", "400")}))] == 1
+    assert samples[("nanovllm_time_to_first_token_seconds_count", frozenset())] == 3
+    assert samples[("nanovllm_time_per_output_token_seconds_count", frozenset())] == 3  # 4 words: 4 tokens
+    assert 0 < samples[("nanovllm_time_to_first_token_seconds_sum", frozenset())] < 5
+    assert samples[("nanovllm_request_duration_seconds_count", frozenset({("route", chat)}))] == 4
+    engine = {name: samples[(f"nanovllm_{name}", frozenset())] for name in (
+        "num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total",
+        "prefix_cache_hit_rate", "preemptions_total", "worker_ready")}
+    assert engine == {"num_requests_running": 2, "num_requests_waiting": 1, "kv_cache_blocks_used": 30,
+                      "kv_cache_blocks_total": 100, "prefix_cache_hit_rate": 0.25, "preemptions_total": 3,
+                      "worker_ready": 1}
+
+
+def test_a_busy_port_is_a_one_line_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", str(port), "--",
+                               sys.executable, "-c", "import time; time.sleep(60)"],
+                              capture_output=True, text=True, timeout=30, cwd=ROOT, env=child_env())
+    assert proc.returncode == 1 and time.monotonic() - started < 10, "it does not wait for the worker"
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0] and "--port" in lines[0], proc.stderr
 
 
 def test_body_over_the_limit_gets_413(mock_daemon):

@@ -6,22 +6,30 @@ Chat (`chat_completions`) picks its behaviour from the request's `model`:
   slow            a chunk every 20 ms, up to 500; its cleanup is recorded as "<last message's content> cancelled"
                   (or "... done" when it ran out)
   cleanups        answers with the recorded cleanups, space separated
-  fail            raises ValueError("echo worker was asked to fail")
+  fail            raises ValueError("echo worker was asked to fail") (an error reply with status 400)
+  error           raises RuntimeError("echo worker broke") (status 500)
+  unavailable     raises RequestError("echo worker is unavailable", status=503, code="echo_unavailable")
   stall           sends nothing for an hour (its cleanup is recorded like slow's)
   crash           sends one chunk, then the whole process exits with code 3
 `tokenize` maps each character to its code point; `embeddings` returns a 4-float vector per token list.
-Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, slow, cleanups, big, silent_stream, unencodable.
-Every recorded cleanup is also written to stderr as "cleanup: <tag>".
+`models` answers {"id": "echo-model"}; `stats` answers fixed engine numbers (ECHO_STATS).
+Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, refuse, teapot, slow, cleanups, big, silent_stream,
+unencodable.
+Every recorded cleanup is also written to stderr as "cleanup: <tag>". ECHO_WORKER_START_DELAY_S=S waits S seconds
+before serving, as a model load would.
 """
 import asyncio
 import os
 import re
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import daemon_protocol  # noqa: E402  (importable without installing the package)
 
 cleanups: list[str] = []
+ECHO_STATS = {"running": 2, "waiting": 1, "num_free_blocks": 70, "num_total_blocks": 100,
+              "prefix_cache_hit_rate": 0.25, "num_preemptions": 3}
 
 
 def record_cleanup(tag: str) -> None:
@@ -55,6 +63,10 @@ async def chat_completions(data):
     last = text_of(data["messages"][-1].get("content"))
     if model == "fail":
         raise ValueError("echo worker was asked to fail")
+    if model == "error":
+        raise RuntimeError("echo worker broke")
+    if model == "unavailable":
+        raise daemon_protocol.RequestError("echo worker is unavailable", status=503, code="echo_unavailable")
     if model == "stall":
         try:
             await asyncio.sleep(3600)
@@ -87,6 +99,16 @@ async def embeddings(data):
     return {"embeddings": [[float(len(t)), float(sum(t) % 1000), float(t[0]), 0.5] for t in data["input"]]}
 
 
+@daemon_protocol.handler("models")
+async def models(data):
+    return {"id": "echo-model"}
+
+
+@daemon_protocol.handler("stats")
+async def stats(data):
+    return ECHO_STATS
+
+
 @daemon_protocol.handler("count")
 async def count(data):
     """Yields 0..n-1, going through the event loop between chunks so that streams interleave."""
@@ -114,6 +136,24 @@ def echo_lambda(data):
 @daemon_protocol.handler("fail")
 async def fail(data):
     raise RuntimeError(f"failing as asked: {data}")
+
+
+@daemon_protocol.handler("refuse")
+async def refuse(data):
+    """RequestError(**data): the message, param, status and code the test chose."""
+    raise daemon_protocol.RequestError(**data)
+
+
+class Teapot(Exception):
+    status = 418
+
+
+@daemon_protocol.handler("teapot")
+async def teapot(data):
+    """An exception of our own with an int `status`: that is its status. data: the status to carry."""
+    error = Teapot("short and stout")
+    error.status = data
+    raise error
 
 
 @daemon_protocol.handler("slow")
@@ -145,4 +185,5 @@ async def unencodable(data):
 
 
 if __name__ == "__main__":
+    time.sleep(float(os.environ.get("ECHO_WORKER_START_DELAY_S", "0")))
     daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -1,0 +1,357 @@
+"""The online benchmark (../shared/bench.md) through the mock daemon's HTTP API, with aiohttp as the client.
+
+    PYTHONPATH=. python3 bench/serve.py                              # concurrency 1, 16, 64, 256
+    PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400
+    PYTHONPATH=. python3 bench/serve.py --workload nanovllm          # served against bench/throughput.py
+
+Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` on a model's weights (random
+Qwen3-0.6B-shaped ones unless --model names another config under bench/models or a model directory), waits for
+/health, warms up, then streams chat completions with `ignore_eos`, so that each request generates exactly its
+max_tokens:
+
+- latency mode: prompts of --prompt-len random tokens and --output-len output tokens, each prompt fresh (no
+  prefix-cache hits), at each --concurrency (requests in flight at once; --num-prompts per level, default
+  max(16, 4 x concurrency)) or, with --request-rate, arriving as a Poisson process. Per level: time to first
+  token (TTFT, as the client sees it and as the handler's access lines say), time per output token after the
+  first (TPOT), the gaps between content chunks, median and p99, and output tokens/s.
+- `--workload nanovllm`: bench/throughput.py's workload (256 requests, 133,966 output tokens, temperature 0.6),
+  all sent at once after one warm-up request; output tokens/s over the wall time, then bench/throughput.py on the
+  same weights with the same token budget per step (the server is stopped first: one engine per GPU), and the
+  ratio of the two.
+
+The served copy of the model (in a temporary folder) links its weights and adds a word-level tokenizer: token i is
+the word "w<i>" and the chat template is the messages' content, so a prompt of N random token ids travels as N
+words and reaches the engine as exactly those N ids, as bench/throughput.py gives them. Speed depends on shapes,
+not on which ids. Runs on CPU too (--device cpu, a tiny model, small lengths) as a smoke test.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "chat_template.jinja")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+MAX_PROMPT_ID = 10000  # prompt ids are drawn below this, as the Nano-vLLM workload does
+DEFAULT_MAX_BATCHED_TOKENS = 8192  # the handler's default (engine/config.py)
+STARTUP_TIMEOUT_S = 1800.0
+
+
+# The served model: the weights with a word-level tokenizer
+def served_model_dir(model_dir: Path, parent: Path) -> Path:
+    """parent/<name>: links to every file of model_dir but its tokenizer, and the word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    served = parent / model_dir.name
+    served.mkdir()
+    for source in model_dir.iterdir():
+        if source.name not in TOKENIZER_FILES:
+            (served / source.name).symlink_to(source.resolve())
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(served / "tokenizer.json"))
+    (served / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}))
+    return served
+
+
+def prompt_text(token_ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in token_ids)
+
+
+# The server
+class Server:
+    """The mock daemon and the handler; the handler's stdout (its access lines) goes to `access_log`."""
+
+    def __init__(self, model_dir: Path, env: dict[str, str], log_dir: Path):
+        self.stderr_path, self.access_log = log_dir / "server.stderr", log_dir / "server.stdout"
+        command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0", "--",
+                   sys.executable, "-m", "handler"]
+        environment = {**os.environ, **env, "MODEL_ID": str(model_dir), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with open(self.stderr_path, "wb") as stderr, open(self.access_log, "wb") as stdout:
+            self.process = subprocess.Popen(command, env=environment, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                            stdout=stdout, stderr=stderr)
+        self.url = ""
+
+    def wait_until_listening(self) -> None:
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"listening on (http://\S+)", self.stderr_path.read_text())):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the mock daemon is not listening after 60 s; see {self.stderr_path}")
+            time.sleep(0.1)
+        self.url = found.group(1)
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            tail = "".join(self.stderr_path.read_text().splitlines(keepends=True)[-20:])
+            raise RuntimeError(f"the server exited with code {self.process.returncode}:\n{tail}")
+
+    def handler_ttfts(self, start: int) -> list[float]:
+        """The handler's time to first token (from its access lines) of the chat requests logged past byte
+        `start` of its stdout."""
+        with open(self.access_log, "rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+        return [float(t) for t in re.findall(r" chat_completions status=200 .* ttft=(\d+\.\d+)s ", text)]
+
+    def access_log_size(self) -> int:
+        return self.access_log.stat().st_size
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+async def wait_for_health(session: aiohttp.ClientSession, server: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        server.check_alive()
+        try:
+            async with session.get(f"{server.url}/health") as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"/health did not answer 200 within {STARTUP_TIMEOUT_S:.0f} s; see {server.stderr_path}")
+
+
+# One request
+@dataclass
+class Result:
+    started: float
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.started
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_tokens: int,
+                      temperature: float) -> Result:
+    """One streamed chat completion; the time of every chunk with content and the usage of the last one. SSE
+    lines are checked as bytes and only the usage line is parsed: the client must not be what is measured."""
+    body = {"messages": [{"role": "user", "content": prompt_text(prompt_ids)}], "max_tokens": max_tokens,
+            "temperature": temperature, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = Result(time.perf_counter())
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                if line.startswith(b"event: error"):
+                    raise RuntimeError(f"the stream failed: {await response.content.readline()!r}")
+                continue
+            now = time.perf_counter()
+            if b'"content":"' in line and b'"content":""' not in line:
+                result.chunk_times.append(now)
+            elif b'"usage":{' in line:
+                result.output_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    if result.output_tokens != max_tokens or not result.chunk_times:
+        raise RuntimeError(f"asked for {max_tokens} tokens, got {result.output_tokens} in {len(result.chunk_times)} "
+                           "chunks")
+    return result
+
+
+# Runs
+@dataclass
+class Level:
+    name: str
+    results: list[Result]
+    seconds: float
+    handler_ttfts: list[float]
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return sum(r.output_tokens for r in self.results) / self.seconds
+
+
+async def run_requests(session, url: str, requests: list[tuple[list[int], int, float]], concurrency: int | None,
+                       request_rate: float | None, seed: int) -> tuple[list[Result], float]:
+    """Every request, at most `concurrency` in flight, arriving as a Poisson process of `request_rate` per second
+    when given (all at once otherwise); (results, wall seconds)."""
+    limit = asyncio.Semaphore(concurrency or len(requests))
+    arrivals = random.Random(seed)
+
+    async def one(request):
+        async with limit:
+            return await stream_chat(session, url, *request)
+
+    started = time.perf_counter()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
+        if request_rate:
+            await asyncio.sleep(arrivals.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - started
+
+
+def random_requests(count: int, prompt_len: int, output_len: int, rng: random.Random) -> list:
+    return [([rng.randrange(MAX_PROMPT_ID) for _ in range(prompt_len)], output_len, 0.0) for _ in range(count)]
+
+
+async def latency_levels(server: Server, args) -> list[Level]:
+    rng = random.Random(args.seed)
+    levels = []
+    async with client_session() as session:
+        await wait_for_health(session, server)
+        await stream_chat(session, server.url, [1, 2, 3], 8, 0.0)  # warm-up
+        runs = [(None, args.request_rate)] if args.request_rate else [(c, None) for c in args.concurrency]
+        for concurrency, rate in runs:
+            count = args.num_prompts or max(16, 4 * (concurrency or 1))
+            requests = random_requests(count, args.prompt_len, args.output_len, rng)
+            logged = server.access_log_size()
+            results, seconds = await run_requests(session, server.url, requests, concurrency, rate, args.seed)
+            name = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
+            levels.append(Level(name, results, seconds, await logged_ttfts(server, logged, count)))
+            print_level(levels[-1])
+    return levels
+
+
+async def logged_ttfts(server: Server, start: int, count: int) -> list[float]:
+    """The handler's access lines of the last `count` requests (they are written as each request ends)."""
+    deadline = time.monotonic() + 5
+    while len(ttfts := server.handler_ttfts(start)) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return ttfts
+
+
+def client_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
+
+
+async def served_workload(server: Server, num_seqs: int) -> tuple[int, float]:
+    """bench/throughput.py's workload through HTTP, all at once after a warm-up; (output tokens, seconds)."""
+    from throughput import workload
+
+    prompts, params = workload(num_seqs)
+    requests = [(prompt, p.max_tokens, p.temperature) for prompt, p in zip(prompts, params)]
+    async with client_session() as session:
+        await wait_for_health(session, server)
+        await stream_chat(session, server.url, [1, 2, 3], 8, 0.0)
+        results, seconds = await run_requests(session, server.url, requests, None, None, 0)
+    return sum(r.output_tokens for r in results), seconds
+
+
+def offline_throughput(model: str, max_batched_tokens: int, num_seqs: int) -> float:
+    """bench/throughput.py on the same weights and token budget per step; its tokens/s."""
+    command = [sys.executable, str(HERE / "throughput.py"), "--model", model, "--num-seqs", str(num_seqs),
+               "--config", f"max_num_batched_tokens={max_batched_tokens}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    output = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    print(output.strip())
+    return float(re.findall(r"throughput ([\d,]+) tok/s", output)[-1].replace(",", ""))
+
+
+# Report
+def ms(values: list[float], q: float) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]:.1f}"
+
+
+HEADER = (f"{'run':<18} {'reqs':>5} {'TTFT p50':>9} {'p99':>8} {'handler':>8} {'TPOT p50':>9} {'p99':>7} "
+          f"{'gap p50':>8} {'p99':>7} {'out tok/s':>10}")
+
+
+def level_row(level: Level) -> str:
+    ttfts = [r.ttft for r in level.results]
+    tpots = [t for t in (r.tpot for r in level.results) if t is not None]
+    gaps = [g for r in level.results for g in r.gaps]
+    return (f"{level.name:<18} {len(level.results):>5} {ms(ttfts, .5):>9} {ms(ttfts, .99):>8} "
+            f"{ms(level.handler_ttfts, .5):>8} {ms(tpots, .5):>9} {ms(tpots, .99):>7} {ms(gaps, .5):>8} "
+            f"{ms(gaps, .99):>7} {level.output_tokens_per_s:>10,.0f}")
+
+
+def print_level(level: Level) -> None:
+    print(level_row(level), flush=True)
+
+
+def model_path(name: str, device: str | None) -> Path:
+    if "/" in name:
+        return Path(name).resolve()
+    import torch
+    from random_model import make_random_model
+    return Path(make_random_model(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", help="a config name under bench/models or a model directory")
+    parser.add_argument("--workload", choices=("latency", "nanovllm"), default="latency")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--request-rate", type=float, help="requests per second, Poisson arrivals (instead of levels)")
+    parser.add_argument("--num-prompts", type=int, help="requests per level (default max(16, 4 x concurrency))")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-seqs", type=int, default=256, help="nanovllm: requests of the workload")
+    parser.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+                        help="the engine's token budget per step, served and offline alike")
+    parser.add_argument("--offline-tok-s", type=float, help="nanovllm: the offline number, instead of running it")
+    parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sys.path[:0] = [str(HERE), str(ROOT)]  # bench's modules and this checkout's packages
+    model = model_path(args.model, args.device)
+    env = {"HFENDPOINT_MAX_BATCHED_TOKENS": str(args.max_batched_tokens)}
+    if args.device:
+        env["HFENDPOINT_DEVICE"] = args.device
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
+        server = Server(served_model_dir(model, Path(log_dir)), env, Path(log_dir))
+        try:
+            server.wait_until_listening()
+            if args.workload == "latency":
+                print(f"{model.name}, prompts {args.prompt_len} tokens, {args.output_len} output tokens; times in ms "
+                      "(handler: TTFT in the handler's access lines)")
+                print(HEADER, flush=True)
+                levels = asyncio.run(latency_levels(server, args))
+            else:
+                tokens, seconds = asyncio.run(served_workload(server, args.num_seqs))
+        finally:
+            server.stop()
+    if args.workload == "latency":
+        print("\nsummary\n" + HEADER + "\n" + "\n".join(level_row(level) for level in levels))
+        return
+    served = tokens / seconds
+    offline = args.offline_tok_s or offline_throughput(str(model), args.max_batched_tokens, args.num_seqs)
+    print(f"\nnanovllm workload, {model.name}, max_num_batched_tokens {args.max_batched_tokens}\n"
+          f"served {tokens:,} output tokens in {seconds:.2f} s = {served:,.0f} tok/s; offline {offline:,.0f} tok/s; "
+          f"served/offline {served / offline:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Error replies with an HTTP status (our extension of protocol.md section 4; docs/errors.md).
+
+A reply `{"id", "error"}` may carry extra keys: "status" (the HTTP status a front daemon should answer
+with), and "param" and "code" (OpenAI's error fields) when they are known. The production daemon ignores
+them and answers 500; the mock daemon answers with them.
+"""
+
+DEFAULT_STATUS = 500  # what a reply without "status" means, and what an unexpected exception gets
+
+
+class RequestError(ValueError):
+    """The request cannot be served as sent: the message says which field and why.
+
+    status is the HTTP status for it (400 unless told: 413 for something too large, 503 for a service that
+    cannot take requests now); param names the request field at fault; code is a short machine-readable
+    reason (OpenAI's `code`, for example "context_length_exceeded")."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error_status(exc: BaseException) -> int | None:
+    """The status an exception declares: its int `status` attribute (an HTTP error status, 400-599), else
+    400 for any ValueError (how handlers refuse bad input). None for anything else: an unexpected failure."""
+    status = getattr(exc, "status", None)
+    if type(status) is int and 400 <= status <= 599:
+        return status
+    return 400 if isinstance(exc, ValueError) else None
+
+
+def error_message(exc: BaseException) -> str:
+    """A declared error's message is the reply as it stands; anything else is named by its type so that a
+    bare KeyError('x') still reads as an error."""
+    if error_status(exc) is not None:
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def error_fields(exc: BaseException) -> dict:
+    """The extra keys of the error reply for `exc`: "status" always, "param" and "code" when set."""
+    fields = {"status": error_status(exc) or DEFAULT_STATUS}
+    for key in ("param", "code"):
+        value = getattr(exc, key, None)
+        if isinstance(value, str) and value:
+            fields[key] = value
+    return fields

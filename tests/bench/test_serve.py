@@ -1,0 +1,46 @@
+"""bench/serve.py runs end to end on CPU with a tiny model, and its premise holds: a prompt of random token ids
+sent as words through the chat API reaches the engine as exactly those ids."""
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer, Qwen3Config
+
+from random_decoders import save_random_decoder
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import serve  # noqa: E402  (bench/ is not a package)
+
+TINY = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def tiny_model(path: Path) -> Path:
+    save_random_decoder(Qwen3Config(**TINY), path)
+    return path
+
+
+def test_the_served_copy_turns_random_ids_into_words_and_back(tmp_path):
+    (tmp_path / "served").mkdir()
+    served = serve.served_model_dir(tiny_model(tmp_path / "tiny"), tmp_path / "served")
+    tokenizer = AutoTokenizer.from_pretrained(served)
+    ids = [0, 5, 10239, 77, 77, 9999]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": serve.prompt_text(ids)}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert tokenizer(prompt, add_special_tokens=False)["input_ids"] == ids
+    assert (served / "model.safetensors").resolve() == (tmp_path / "tiny" / "model.safetensors").resolve()
+
+
+def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
+    model = tiny_model(tmp_path / "tiny")
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
+               "--prompt-len", "32", "--output-len", "8", "--concurrency", "1", "3", "--num-prompts", "6"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = result.stdout.split("summary\n", 1)[1].splitlines()
+    assert summary[0].split()[:3] == ["run", "reqs", "TTFT"]
+    for row, concurrency in zip(summary[1:], (1, 3)):
+        cells = row.split()
+        assert cells[:3] == ["concurrency", str(concurrency), "6"]
+        assert all(float(cell.replace(",", "")) > 0 for cell in cells[3:]), row
