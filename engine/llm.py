@@ -12,8 +12,8 @@ from engine.tensor_parallel import load_on_all_ranks
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Offline batches care for throughput only: prefill steps of twice the online budget (as vLLM's offline LLM
-# takes) halve their count and host work: 1-2% more on bench/throughput.py on an H100. The handler keeps 8,192,
-# which bounds how long a prefill step holds up the streams that are decoding.
+# takes) halve their count and host work. The handler keeps the smaller default, which bounds how long a
+# prefill step holds up the streams that are decoding.
 OFFLINE_MAX_BATCHED_TOKENS = 16384
 
 

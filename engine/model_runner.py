@@ -71,9 +71,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_lm_head(self) -> None:
         """Runs the LM head once at every row count a step can sample. The first GEMM of a shape cuBLAS has not
-        run held the host 5-15 ms on an H100, about the step in flight: each time a shrinking decode batch
-        reached such a size (18 times in bench/throughput.py's first run), the step launched ahead of the
-        running one waited."""
+        run holds the host for about as long as a step: each time a shrinking decode batch reached such a size,
+        the step launched ahead of the running one waited."""
         hidden = torch.zeros(self.config.max_num_seqs, self.hidden_size, dtype=self.dtype, device=self.device)
         for rows in range(1, self.config.max_num_seqs + 1):
             self.model.compute_logits(hidden[:rows])

@@ -180,7 +180,7 @@ def leave_group(graphs: list[dict]) -> None:
     """Releases rank 0's CUDA graphs, then aborts its process group (the other ranks exit without teardown,
     so nothing waits for them). A captured NCCL collective holds a reference on its communicator until its
     graph is destroyed, and NCCL's destroy and abort both wait for those references: with the graphs alive,
-    shutdown hung forever on 2 H200s."""
+    shutdown hangs forever."""
     for captured in graphs:
         captured.clear()
     if dist.is_initialized():
