@@ -30,7 +30,7 @@ def main() -> int:
     daemon_protocol.error(f"handler: loading {name} ({model.path})")
     started = time.perf_counter()
     try:
-        tokenizer = load_tokenizer(model.path)
+        tokenizer = load_tokenizer(model.path, config.cache_dir)
         worker = Worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         daemon_protocol.error(f"handler: error: cannot load {model.path}: {type(exc).__name__}: {exc}")
