@@ -95,7 +95,8 @@ class Session(asyncio.Protocol):
             error(f"skipping request {request_id}: a request with that id is still in flight")
             return
         if type(name) is not str:
-            self._writer.send_error(request_id, f"request has no handler name: 'name' must be a string, got {_preview(name)}")
+            self._writer.send_error(request_id,
+                                    f"request has no handler name: 'name' must be a string, got {_preview(name)}")
             return
         entry = self._registry.get(name)
         if entry is None:

@@ -89,7 +89,7 @@ class EngineCore:
             if self.overlap and launched.plannable:
                 self.in_flight = self._launch_next(launched)
             sampled = self.runner.finish(launched)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+        except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             failed = [seq for seq in seqs if not seq.is_finished]

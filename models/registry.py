@@ -55,7 +55,7 @@ def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_h
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None) -> LoadedModel:
     """Load a local checkpoint directory (config.json + safetensors) or a .gguf file (its converted metadata kept
     under cache_dir, see models/gguf_loader.py)."""
-    from models.loader import load_weights, load_safetensors
+    from models.loader import load_safetensors, load_weights
 
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
         from models.gguf_loader import gguf_model_dir, iterate_gguf

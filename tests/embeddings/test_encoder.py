@@ -98,7 +98,8 @@ def test_vectors_match_sentence_transformers(our_vectors, st_model, texts):
     assert ours.dtype == torch.float32 and ours.shape == expected.shape == (len(texts), 384)
     torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(texts)))
     cosines = (ours * expected).sum(dim=1)
-    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, mean {cosines.mean():.7f}")
+    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, "
+          f"mean {cosines.mean():.7f}")
     assert cosines.min().item() >= MIN_COSINE, f"worst text: {texts[cosines.argmin()]!r}"
 
 

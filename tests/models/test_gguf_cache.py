@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -169,7 +170,8 @@ def truncate_tokenizer(directory):
 
 def flip_a_config_byte(directory):
     path = os.path.join(directory, "config.json")
-    text = open(path).read()
+    with open(path) as file:
+        text = file.read()
     with open(path, "w") as file:
         file.write(text.replace('"vocab_size": 262', '"vocab_size": 263'))
 
@@ -179,7 +181,7 @@ def flip_a_config_byte(directory):
     flip_a_config_byte,
     lambda directory: os.remove(os.path.join(directory, "config.json")),
     lambda directory: os.remove(os.path.join(directory, MANIFEST)),  # a conversion stopped before its end
-    lambda directory: open(os.path.join(directory, MANIFEST), "w").write("{not json"),
+    lambda directory: Path(directory, MANIFEST).write_text("{not json"),
 ], ids=["truncated-tokenizer", "edited-config", "missing-config", "no-manifest", "corrupt-manifest"])
 def test_damaged_conversion_is_ignored_and_rebuilt(tmp_path, cache, parses, damage):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
