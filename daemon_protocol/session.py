@@ -1,6 +1,6 @@
 """The request loop: decode requests from the daemon, run one task per request, send replies.
 
-Failure rules (protocol.md section 7): unknown names and handler exceptions get error replies;
+Failure rules (docs/protocol.md section 7): unknown names and handler exceptions get error replies;
 objects that are not request maps are logged and skipped; bytes that are not MessagePack fail every
 request in flight and end the session with exit code 1; EOF cancels what is in flight (exit code 0).
 """
