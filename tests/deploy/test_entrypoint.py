@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the entrypoint script and the services it starts
+
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "entrypoint.sh"
 PACKAGES = ["daemon_protocol", "handler", "engine", "models", "kernels"]

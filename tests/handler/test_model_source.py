@@ -103,6 +103,7 @@ def test_unreachable_hub_gives_up_in_seconds(env, capfd):
     assert "cannot be reached" in capfd.readouterr().err
 
 
+@pytest.mark.slow  # a handler process
 def test_handler_exits_with_one_clear_line_when_model_id_cannot_be_resolved(tmp_path, env):
     env["MODEL_ID"] = "org/not-cached"
     result = subprocess.run([sys.executable, "-m", "handler"], env={**os.environ, **env}, capture_output=True,

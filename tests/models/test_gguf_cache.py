@@ -127,6 +127,7 @@ def smollm2(tmp_path_factory):
     return path, converted_dir, cold_parses, *transformers_direct(path)
 
 
+@pytest.mark.slow  # the packaged SmolLM2's metadata, converted
 def test_smollm2_conversion_equals_transformers_reading_the_gguf(smollm2):
     path, converted_dir, cold_parses, config, tokenizer = smollm2
     assert cold_parses == 1  # AutoConfig and AutoTokenizer shared one parse
@@ -134,6 +135,7 @@ def test_smollm2_conversion_equals_transformers_reading_the_gguf(smollm2):
     assert_same_model_files(converted_dir, config, tokenizer)
 
 
+@pytest.mark.slow
 def test_warm_smollm2_load_parses_no_metadata(smollm2, parses, monkeypatch):
     path, converted_dir, *_ = smollm2
     cache_dir = os.path.dirname(os.path.dirname(converted_dir))

@@ -11,6 +11,8 @@ import pytest
 
 from protocol_support import ROOT, child_env
 
+pytestmark = pytest.mark.slow  # the mock daemon and its workers as processes
+
 KEY = "test-key"
 
 
