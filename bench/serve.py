@@ -305,6 +305,7 @@ def model_path(name: str, device: str | None) -> Path:
     if "/" in name:
         return Path(name).resolve()
     import torch
+
     from random_model import make_random_model
     return Path(make_random_model(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu")))
 

@@ -5,7 +5,7 @@ and time per output token of chat requests. From the worker's `stats` handler (t
 answer): running and waiting requests, KV cache blocks used and total, prefix-cache hit rate, preemptions,
 and whether the worker is ready.
 """
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -1,14 +1,17 @@
-"""The step both front ends drive: the Worker on its thread, LLM on the caller's thread."""
-import json
+"""The engine both front ends drive, the Worker on its thread and LLM on the caller's thread: requests in
+(add, abort), steps (step), embeddings (embed) and counters (stats)."""
 import logging
-import os
+
+from torch import Tensor
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.embedding import Embedder
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tensor_parallel import TensorParallelRanks
+from models.model_files import read_generation_config
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +22,12 @@ class EngineCore:
         follow its calls; stopped if this runner cannot start."""
         self.model = config.model
         try:
-            self.runner = ModelRunner(config, loaded)
+            self.runner = ModelRunner(config, loaded, ranks)
         except BaseException:
             if ranks:
                 ranks.shutdown()
             raise
-        if ranks:
-            ranks.attach(self.runner)
+        self.embedder = Embedder.for_decoder(config, loaded, self.runner.forward_packed, self.runner.max_model_len)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
@@ -51,6 +53,24 @@ class EngineCore:
         self.check_prompt(prompt_token_ids)
         return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
 
+    def add(self, seq: Sequence) -> None:
+        """Queues a request made by make_sequence; step() computes it."""
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Ends a request with finish_reason "abort" and frees its blocks; a request that is finished, or was
+        never added, is left as it is."""
+        if seq in self.scheduler.running or seq in self.scheduler.waiting:
+            self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        """Whether a request is waiting or running."""
+        return self.scheduler.has_work()
+
+    def embed(self, token_lists: list[list[int]]) -> Tensor:
+        """Pooled float32 vectors [n, H] on the CPU, computed between steps (engine/embedding.py)."""
+        return self.embedder.embed(token_lists)
+
     def step(self) -> list[tuple[Sequence, int | None]]:
         """Computes one step. Returns each of its requests with its new token (None when it sampled nothing),
         but not those that finished while it ran; a step that raises finishes its requests with
@@ -69,7 +89,7 @@ class EngineCore:
             if self.overlap and launched.plannable:
                 self.in_flight = self._launch_next(launched)
             sampled = self.runner.finish(launched)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+        except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             failed = [seq for seq in seqs if not seq.is_finished]
@@ -96,15 +116,8 @@ class EngineCore:
 def eos_token_ids(loaded) -> tuple[int, ...]:
     """End-of-sequence ids from the model's config and its generation_config.json (each an int or a list)."""
     found = []
-    for source in (getattr(loaded.hf_config, "eos_token_id", None), _generation_config_eos(loaded.model_dir)):
+    generation_config = read_generation_config(loaded.model_dir)
+    for source in (getattr(loaded.hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
         if source is not None:
             found.extend(source if isinstance(source, (list, tuple)) else [source])
     return tuple(dict.fromkeys(int(token) for token in found))
-
-
-def _generation_config_eos(model_dir: str):
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("eos_token_id")

@@ -102,7 +102,7 @@ def load(name: str, path: str, config):
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, config.cache_dir)
         worker = Worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
@@ -123,7 +123,7 @@ def log_loading(name: str, started: float, done: threading.Event) -> None:
 def exit_soon(reason: str) -> None:
     """The engine cannot go on (a tensor-parallel rank died). The Worker has failed the requests in flight;
     once their error replies are out, the process exits non-zero so that the daemon restarts or reports it
-    (protocol.md, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
+    (docs/protocol.md section 7, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
     log.error(f"{reason}; exiting")
     threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(1,)).start()
 

@@ -6,15 +6,14 @@ OpenAI server: sampling fields the request leaves out come from the model's gene
 SamplingParams; max_tokens defaults to the rest of the context.
 """
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from daemon_protocol import RequestError
 from engine import SamplingParams
+from models.model_files import read_generation_config
 
 MAX_STOP_STRINGS = 16  # each is checked against the held-back text after every token
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -199,12 +198,9 @@ def parse_stop(stop) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def sampling_defaults(model_path: str) -> dict:
-    """Sampling defaults from the model's generation_config.json (none for a .gguf file)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+def sampling_defaults(model_dir: str) -> dict:
+    """Sampling defaults from the model's generation_config.json."""
+    config = read_generation_config(model_dir)
     return {field: config[key] for key, field in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
 
 

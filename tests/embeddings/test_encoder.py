@@ -5,15 +5,16 @@ import random
 import pytest
 import torch
 import transformers
+from model_packages import MINILM_MISSING, minilm_dir
 from transformers import AutoConfig, AutoTokenizer
 
 from engine import Worker
 from engine.config import EngineConfig
-from engine.embedding import longest_first_batches
-from engine.encoder_runner import EncoderRunner
-from model_packages import MINILM_MISSING, minilm_dir
+from engine.embedding import Embedder, longest_first_batches
 from models import load_model
 from models.bert import BertModel, load_bert
+
+pytestmark = pytest.mark.slow  # the packaged MiniLM against sentence-transformers
 
 MIN_COSINE = 0.9999
 
@@ -34,11 +35,11 @@ def make_texts(count: int = 60, seed: int = 0) -> list[str]:
     return texts
 
 
-def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> EncoderRunner:
+def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> Embedder:
     loaded = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert loaded.kind == "encoder" and isinstance(loaded.model, BertModel)
     config = EngineConfig(model=model_dir, device="cpu", max_embedding_batch_tokens=max_embedding_batch_tokens)
-    return EncoderRunner(config, loaded)
+    return Embedder.for_encoder(config, loaded)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,8 @@ def test_vectors_match_sentence_transformers(our_vectors, st_model, texts):
     assert ours.dtype == torch.float32 and ours.shape == expected.shape == (len(texts), 384)
     torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(texts)))
     cosines = (ours * expected).sum(dim=1)
-    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, mean {cosines.mean():.7f}")
+    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, "
+          f"mean {cosines.mean():.7f}")
     assert cosines.min().item() >= MIN_COSINE, f"worst text: {texts[cosines.argmin()]!r}"
 
 

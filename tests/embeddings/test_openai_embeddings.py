@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from model_packages import MINILM_MISSING, minilm_dir
 from transformers import AutoTokenizer
 
-from model_packages import MINILM_MISSING, minilm_dir
+pytestmark = pytest.mark.slow  # the handler and mock daemon serving MiniLM
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " * 3]

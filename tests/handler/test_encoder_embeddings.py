@@ -5,12 +5,12 @@ import asyncio
 
 import numpy as np
 import pytest
+from model_packages import MINILM_MISSING, minilm_dir
 
 from engine import EngineConfig, Worker
 from handler.chat import RequestError
 from handler.service import EngineUnavailable, Service
 from handler.tokenizer import load_tokenizer
-from model_packages import MINILM_MISSING, minilm_dir
 
 LONG_TEXT = "word " * 150 + "the last words " * 50  # 302 tokens with [CLS] and [SEP]; the model takes 256
 

@@ -12,10 +12,10 @@ import time
 
 import msgpack
 import pytest
+from model_packages import MINILM_MISSING, minilm_dir
 
 import handler.__main__ as handler_main
 from handler.logs import report_engine
-from model_packages import MINILM_MISSING, minilm_dir
 
 TIMESTAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
 

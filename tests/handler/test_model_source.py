@@ -104,6 +104,7 @@ def test_unreachable_hub_gives_up_in_seconds(env, caplog):
     assert "cannot be reached" in caplog.text
 
 
+@pytest.mark.slow  # a handler process
 def test_handler_exits_with_one_clear_line_when_model_id_cannot_be_resolved(tmp_path, env):
     env["MODEL_ID"] = "org/not-cached"
     result = subprocess.run([sys.executable, "-m", "handler", "stdio"], env={**os.environ, **env}, capture_output=True,
@@ -112,3 +113,9 @@ def test_handler_exits_with_one_clear_line_when_model_id_cannot_be_resolved(tmp_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d [\d:,]+ ERROR handler: org/not-cached is not in the "
                                             r"local cache and HF_HUB_OFFLINE is set", lines[0]), result.stderr
+
+
+def test_a_bad_hf_hub_offline_is_named(env):
+    env.update(MODEL_ID="org/not-cached", HF_HUB_OFFLINE="maybe")
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE='maybe' is invalid: expected a boolean"):
+        resolve_model(env)

@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import daemon_protocol  # noqa: E402  (importable without installing the package)
+import daemon_protocol  # importable without installing the package
 
 cleanups: list[str] = []
 ECHO_STATS = {"running": 2, "waiting": 1, "num_free_blocks": 70, "num_total_blocks": 100,
