@@ -346,9 +346,10 @@ def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
 
 
 def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, k_cache,
-                         v_cache, meta, scale, num_splits=None):
+                         v_cache, meta, scale, num_splits=None, window=0, sinks=None):
     """qkv_prologue (storing the new keys and values in the cache) and decode_attention in one launch, from the
     fused projection qkv [T, (n_q + 2 n_kv) D] at positions meta.seq_lens - 1: one launch less per layer."""
+    _not_yet(window, sinks)
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qkv_decode_attention needs qkv and a cos_sin_cache of width {head_dim} contiguous in "
@@ -443,11 +444,18 @@ def prefill_attention(q, k_cache, v_cache, meta, scale):
                            block_size)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float):
+def _not_yet(window, sinks):
+    if window or sinks is not None:
+        raise NotImplementedError("the Triton attention kernels take no window or sinks yet")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    window: int = 0, sinks: torch.Tensor | None = None):
     """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D].
 
     The keys and values of this step's tokens must already be in the cache (kernels.qkv_prologue stores them).
     """
+    _not_yet(window, sinks)
     if meta.block_tables is None:
         raise ValueError("paged_attention needs meta.block_tables; use varlen_attention without a KV cache")
     if q.stride(2) != 1:
@@ -458,8 +466,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
+                     max_seqlen: int, scale: float, causal: bool, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], cu_seqlens [B+1]."""
+    _not_yet(window, sinks)
     _check_head_dim(q.shape[2])
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("varlen_attention needs q, k and v contiguous in head_dim")
