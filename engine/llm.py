@@ -44,13 +44,13 @@ class LLM:
         seqs = [self.core.make_sequence(i, self._encode(prompt), params)
                 for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
         for seq in seqs:
-            self.core.scheduler.add(seq)
+            self.core.add(seq)
         done, started = 0, time.perf_counter()
-        while self.core.scheduler.has_work():
+        while self.core.has_work():
             for seq, _ in self.core.step():
                 if seq.finish_reason == "error":
                     for other in seqs:
-                        self.core.scheduler.abort(other)
+                        self.core.abort(other)
                     raise RuntimeError(f"generation failed: {seq.error}")
                 done += seq.is_finished
             if progress:
