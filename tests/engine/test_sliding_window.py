@@ -51,12 +51,12 @@ def test_prefix_hits_past_the_window(tiny_mistral, prompts_of_lengths):
     second = first + answer + prompts_of_lengths([9], seed=6)[0]
     core = llm.core
     seq = core.make_sequence(1, second, GREEDY)
-    core.scheduler.add(seq)
+    core.add(seq)
     core.step()
     assert seq.num_cached_tokens >= 80  # 10 of the 12 full blocks before the last token
     num_unread = (seq.num_cached_tokens - MISTRAL_WINDOW + 1) // BLOCK_SIZE
     assert seq.block_table[:num_unread] == [FREED] * num_unread and FREED not in seq.block_table[num_unread:]
-    while core.scheduler.has_work():
+    while core.has_work():
         core.step()
     assert seq.output_token_ids == tiny_mistral.greedy(second, NEW)
 
@@ -71,7 +71,7 @@ def test_free_blocks_follow_the_window_exactly(tiny_mistral, prompts_of_lengths,
     total = core.block_manager.num_free_blocks
     prompt = prompts_of_lengths([50], seed=7)[0]
     seq = core.make_sequence(0, prompt, SamplingParams(temperature=0, max_tokens=150))
-    core.scheduler.add(seq)
+    core.add(seq)
     counts = []
     while not seq.is_finished:
         core.step()
