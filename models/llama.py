@@ -1,6 +1,7 @@
-"""The Llama-family decoder: Llama, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head).
+"""The Llama-family decoder: Llama, Mistral (a sliding window), Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on
+each q/k head); Qwen2 and Qwen3 with use_sliding_window window their upper layers.
 
-One class serves all three; the differences are read from the transformers config. Q/K/V and gate/up are
+One class serves them all; the differences are read from the transformers config. Q/K/V and gate/up are
 fused into single projections (the checkpoint's separate tensors are copied into slices at load time), so a
 layer costs few kernel launches. The projections are models/parallel_layers.py's: under tensor parallelism
 each rank holds 1/N of the heads and of the MLP's intermediate features; with one rank they are plain layers.
@@ -32,6 +33,7 @@ from models.parallel_layers import (
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
 QK_NORM_MODEL_TYPES = ("qwen3",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' config.layer_types we compute
 
 
 class RMSNorm(nn.Module):
@@ -97,8 +99,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    """window: the layer's sliding window (0: full attention). sinks: None, or one learned logit per query head of
+    this rank that joins the softmax's denominator (gpt-oss; a family with sinks sets it and loads it split by
+    heads like q)."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, window: int = 0):
         super().__init__()
+        self.window = window
+        self.sinks: nn.Parameter | None = None
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         q_size = config.num_attention_heads * self.head_dim
@@ -123,11 +131,12 @@ class Attention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if self.k_cache is not None and meta.block_tables is not None:
             out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
-                                      self.k_cache, self.v_cache, meta, self.scale)
+                                      self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks)
         else:
             q, k, v = qkv_prologue(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
                                    self.k_cache, self.v_cache, meta.slot_mapping)
-            out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True)
+            out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True,
+                                   window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -145,10 +154,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -170,7 +179,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, window) for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -204,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads // tp_size()  # this rank's
         self.head_dim = head_dim_of(config)
+        self.kv_window = kv_window(layer_windows(config))
         self.model = LlamaModel(config)
         self.tie_word_embeddings = with_lm_head and bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if with_lm_head else None
@@ -237,10 +247,33 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_windows(config) -> list[int]:
+    """Each layer's sliding window (0: full attention) as transformers reads the config: with layer_types
+    (Qwen2/Qwen3 from use_sliding_window and max_window_layers, Gemma 3, gpt-oss), the "sliding_attention"
+    layers have config.sliding_window; without (Mistral), every layer has it, when it is set."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if layer_type == "sliding_attention" else 0 for layer_type in layer_types]
+
+
+def kv_window(windows: list[int]) -> int:
+    """The window beyond which no layer reads a key (0 when some layer attends to everything): KV blocks wholly
+    before a request's last kv_window positions are never read again."""
+    return 0 if not windows or 0 in windows else max(windows)
+
+
 def check_supported(config) -> None:
     """Refuse configs this module would compute wrongly (rope types and activations are checked where used)."""
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown or len(layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types {unknown or layer_types} are not supported: each of the "
+                             f"{config.num_hidden_layers} layers must be one of {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
     check_tensor_parallel(config, tp_size())
 
 

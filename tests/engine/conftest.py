@@ -3,7 +3,7 @@ import gc
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine import kv_cache
 from random_decoders import save_random_decoder
@@ -12,10 +12,12 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
             eos_token_id=None, pad_token_id=None)
 CUDA_TEST_KV_BLOCKS = 1024
+MISTRAL_WINDOW = 20  # shorter than most test prompts
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False),
 }
 
 
@@ -40,6 +42,11 @@ def tiny_model(request, tmp_path_factory) -> Reference:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Reference:
     return _make("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Reference:
+    return _make("mistral", tmp_path_factory)
 
 
 _CACHE = {}
