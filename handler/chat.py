@@ -42,6 +42,8 @@ class ChatModel:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict
+    vocab_size: int | None = None  # the LM head's rows (default: the tokenizer's size)
+    grammars: object = None  # handler.grammar.Grammars; None: no grammar-constrained output
 
 
 @dataclass(frozen=True)
@@ -49,28 +51,32 @@ class ChatRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
+    output: object = None  # handler.output_plan.OutputPlan: choices, grammar, tool calls, reasoning
 
 
 def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
-    messages = parse_messages(data.get("messages"))
-    prompt = render_prompt(model.tokenizer, messages, data)
+    from handler.output_plan import plan_output, with_prompt  # here: those modules raise this one's RequestError
+    from handler.tools import prepare_tool_turns
+    messages = prepare_tool_turns(parse_messages(data.get("messages")))
+    output = plan_output(data, model)
+    prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools)
     prompt_token_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
-    if data.get("n") not in (None, 1):
-        raise RequestError(f"n: only n=1 is supported, got {data['n']!r}")
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
     sampling = {name: fields[name] for name in SAMPLING_FIELDS if name in fields}
     ignore_eos = sampling.get("ignore_eos") is True
     try:  # SamplingParams checks the types and ranges and names the field
         params = SamplingParams(
-            **sampling, max_tokens=max_tokens, stop_token_ids=() if ignore_eos else model.eos_token_ids
+            **sampling, **output.sampling, max_tokens=max_tokens,
+            stop_token_ids=() if ignore_eos else model.eos_token_ids,
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from exc
-    return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")))
+    return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")),
+                       with_prompt(output, model.tokenizer.chat_template, prompt))
 
 
 def parse_messages(messages) -> list[dict]:
@@ -111,7 +117,8 @@ def message_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict) -> str:
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict,
+                  tools: list[dict] | None = None) -> str:
     kwargs = data.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise RequestError(f"chat_template_kwargs must be a map, got {type_name(kwargs)}")
@@ -120,7 +127,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data
         raise RequestError("the model has no chat template, so it cannot serve chat completions")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
         raise RequestError(f"messages: the chat template rejected them: {exc}") from exc

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine import Worker
 from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults, type_name
-from handler.detokenizer import Detokenizer
+from handler.choices import ChatReplies
+from handler.grammar import Grammars
 from handler.tokenizer import embedding_token_ids
 
 
@@ -26,8 +27,11 @@ class Service:
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
         # A copy: tokenizers refuses to use one tokenizer from two threads while one reconfigures it
         # (truncation), so the encoding thread shares nothing with the loop's decoding.
-        self.chat_model = ChatModel(copy.deepcopy(tokenizer), worker.max_model_len, eos,
-                                    sampling_defaults(worker.model_dir))
+        encoding_tokenizer = copy.deepcopy(tokenizer)
+        grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
+        self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
+                                    worker.vocab_size, grammars)
+        self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._request_ids = itertools.count(1)
 
@@ -36,27 +40,12 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.encoder, function, *args)
 
     async def chat_completions(self, data):
-        """Streams {"content", "finish_reason"} chunks; the last one has a finish_reason and usage."""
+        """Streams reply chunks (docs/chat-extensions.md); the last one has a finish_reason and usage."""
         if self.worker.kind != "decoder":
             raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
         request = await self.encode(parse_chat_request, data, self.chat_model)
-        request_id = f"chat-{next(self._request_ids)}"
-        completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids, request.stop))
-        outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
-        try:
-            while completion.finish_reason is None:
-                batch = [await outputs.get()]
-                while not outputs.empty():  # coalesce whatever already arrived into one chunk
-                    batch.append(outputs.get_nowait())
-                content = "".join(completion.consume(output) for output in batch)
-                if completion.finish_reason is not None:
-                    yield {"content": content, "finish_reason": completion.finish_reason,
-                           "usage": usage(len(request.prompt_token_ids), completion.num_tokens)}
-                elif content:
-                    yield {"content": content, "finish_reason": None}
-        finally:
-            if not completion.engine_finished:  # cancelled, disconnected or cut by a stop string: free its blocks
-                self.worker.abort(request_id)
+        async for chunk in self.replies.stream(self.worker, request, f"chat-{next(self._request_ids)}"):
+            yield chunk
 
     async def tokenize(self, data):
         texts = field(data, "input")
@@ -86,39 +75,6 @@ class Service:
         return self.worker.stats()
 
 
-class Completion:
-    """One request's generated text, from the engine's outputs: finish reason, stop strings, token count."""
-
-    def __init__(self, detokenizer: Detokenizer):
-        self.detokenizer = detokenizer
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.engine_finished = False  # the engine finished the request itself (nothing to abort)
-
-    def consume(self, output) -> str:
-        """The text one engine output adds; nothing once the completion has finished."""
-        if self.finish_reason is not None:
-            return ""
-        if output.finish_reason == "error":
-            self.engine_finished = True
-            raise RuntimeError(f"the engine failed on this request: {output.error}")
-        token_ids = output.new_token_ids
-        stop_token = output.finish_reason == "stop" and bool(token_ids)
-        pieces = []
-        for token_id in token_ids[:-1] if stop_token else token_ids:  # a stop token is not text
-            self.num_tokens += 1
-            pieces.append(self.detokenizer.add(token_id))
-            if self.detokenizer.stopped:
-                self.finish_reason = "stop"
-                return "".join(pieces)
-        if output.finish_reason is not None:
-            self.num_tokens += stop_token
-            self.engine_finished = True
-            self.finish_reason = output.finish_reason
-            pieces.append(self.detokenizer.flush())
-        return "".join(pieces)
-
-
 def check_token_list(tokens, where: str, max_length: int) -> None:
     if not isinstance(tokens, list) or not tokens:
         raise RequestError(f"{where} must be a non-empty list of token ids, got {type_name(tokens)}")
@@ -134,8 +90,3 @@ def field(data, name: str):
     if data.get(name) is None:
         raise RequestError(f"{name} is required")
     return data[name]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -107,7 +107,7 @@ def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
     ({**user("hi"), "max_tokens": 0}, "max_tokens must be at least 1"),
     ({**user("hi"), "max_tokens": True}, "max_tokens must be an integer"),
     ({**user("hi"), "max_completion_tokens": 1000}, "max_completion_tokens: this model's maximum context length is 128"),
-    ({**user("hi"), "n": 2}, "only n=1 is supported"),
+    ({**user("hi"), "n": 17}, "n must be between 1 and 16"),
     ({**user("hi"), "stop": ["a", 1]}, "stop must be"),
     ({**user("hi"), "stop": [""]}, "stop must be"),
     ({**user("hi"), "stop": ["x"] * 17}, "at most 16 stop strings"),

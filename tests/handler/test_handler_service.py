@@ -105,7 +105,7 @@ def test_client_disconnect_frees_the_kv_blocks(client, smollm2_service):
     ({"messages": []}, "messages must not be empty"),
     ({"messages": "hi"}, "messages"),
     ({"messages": CAPITAL, "max_tokens": 600}, "max_tokens"),
-    ({"messages": CAPITAL, "n": 2}, "only n=1"),
+    ({"messages": CAPITAL, "n": 17}, "n must be between 1 and 16"),
 ])
 def test_bad_requests_get_an_error_naming_the_problem_and_the_next_succeeds(client, request_kwargs, problem):
     with pytest.raises(openai.APIStatusError) as error:
