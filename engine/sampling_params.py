@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit, OpenAI's)
+
 
 @dataclass
 class SamplingParams:
@@ -39,7 +41,7 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, lambda x: x >= 0, "non-negative integers")
         if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, lambda x: x >= 0, ">= 0 (or None)")
+            _integer("logprobs", self.logprobs, lambda x: 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or None)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a map from token id to bias, got {self.logit_bias!r}")
