@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from engine import SamplingParams
 from handler.detokenizer import Detokenizer
-from handler.grammar import Grammars
+from handler.grammar import GrammarConstraint
 from handler.logprobs import LogprobEntries
 from handler.output_plan import OutputPlan
 from handler.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
@@ -43,7 +43,7 @@ class ChatReplies:
                 choice = Choice(index, self._detokenizer(request), plan, self.logprobs)
                 choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
                 worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
-                              constraint=choice.matcher, queue=queue,
+                              constraint=choice.constraint, queue=queue,
                               shares_prompt_with=f"{request_id}/0" if index else None)
                 choices[choice_id] = choice
             while any(choice.finish_reason is None for choice in choices.values()):
@@ -94,7 +94,7 @@ class Choice:
     def __init__(self, index: int, detokenizer: Detokenizer, plan: OutputPlan, logprobs: LogprobEntries | None):
         self.index = index
         self.completion = Completion(detokenizer)
-        self.matcher = Grammars.matcher(plan.grammar) if plan.grammar is not None else None
+        self.constraint = GrammarConstraint(plan.grammar) if plan.grammar is not None else None
         self.reasoning = ReasoningSplitter(plan.reasoning) if plan.reasoning is not None else None
         tools = plan.tools
         self.tools = ToolCallParser(tools.style, tools.function_name, max_calls=None if tools.parallel else 1) \

@@ -2,8 +2,9 @@
 
 One compiler per served model, made at start-up from its tokenizer and the model's vocabulary size (the LM
 head may have more rows than the tokenizer has tokens; xgrammar never allows those). It keeps what it compiled,
-so a schema sent again costs a lookup. Each choice of a request gets its own xgrammar GrammarMatcher, the
-per-request object the engine fills token masks from and advances with each token it accepts.
+so a schema sent again costs a lookup. Each choice of a request gets its own GrammarConstraint (an xgrammar
+GrammarMatcher), the per-request object the engine fills token masks from and advances with each token it
+takes (engine/constraints.py).
 
 The grammars write compact JSON (", " and ": " as separators, no other whitespace), and strict mode allows
 no property a schema does not list: both narrow what a schema allows to outputs that still satisfy it, and
@@ -37,6 +38,25 @@ class Grammars:
             message = LIBRARY_PREFIX.sub("", str(exc)).strip()
             raise RequestError(f"{field}: xgrammar cannot compile this JSON schema: {message}") from None
 
-    @staticmethod
-    def matcher(compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
-        return xgrammar.GrammarMatcher(compiled)
+
+
+class GrammarConstraint:
+    """One choice's grammar as the engine drives it (engine/constraints.py)."""
+
+    __slots__ = ("matcher",)
+    batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar):
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @classmethod
+    def fill_bitmasks(cls, constraints: list["GrammarConstraint"], bitmask, rows: list[int]) -> None:
+        if cls.batch is None:
+            cls.batch = xgrammar.BatchGrammarMatcher()
+        cls.batch.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, rows)
