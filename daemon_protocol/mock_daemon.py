@@ -179,7 +179,8 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
             async for payload in chunks:
                 choice = stream_choice(payload, started)
                 if response is None:
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
                     await response.prepare(request)
                 usage = payload.get("usage") or usage
                 await response.write(sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})}))

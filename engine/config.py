@@ -6,7 +6,13 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def default_cache_dir() -> str:
+    """The user's cache folder ($XDG_CACHE_HOME, else ~/.cache), nanovllm-endpoint inside it."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.expanduser("~/.cache"),
+                        "nanovllm-endpoint")
 
 
 @dataclass
@@ -25,6 +31,7 @@ class EngineConfig:
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
+    cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -43,6 +50,8 @@ class EngineConfig:
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
+        _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
+        self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
                "CUDA_VISIBLE_DEVICES)")
@@ -90,6 +99,7 @@ ENV_NAMES = {
     "device": "HFENDPOINT_DEVICE",
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
+    "cache_dir": "HFENDPOINT_CACHE_DIR",
 }
 
 
@@ -98,12 +108,19 @@ def _check(name: str, ok: bool, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}")
 
 
+def parse_bool(raw: str) -> bool:
+    """A boolean as the environment spells it (1/true/yes/on, 0/false/no/off or empty, any case); ValueError
+    for anything else."""
+    word = raw.strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"expected a boolean ({'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS[:-1])})")
+    return word in TRUE_WORDS
+
+
 def _parse(name: str, raw: str):
     default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}[name]
     if isinstance(default, bool):
-        if raw.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE[:-1])})")
-        return raw.lower() in _TRUE
+        return parse_bool(raw)
     if isinstance(default, float):
         try:
             return float(raw)

@@ -129,7 +129,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, prompts_of_lengths):
 
 
 def test_seeded_sampling_and_penalties(tiny_llama, prompts_of_lengths):
-    """Seeded requests draw from their own generators in step order, so they keep their tokens; a batch with
+    """Seeded requests draw with noise keyed by their seed and position, so they keep their tokens; a batch with
     a penalised request needs the host's tokens for every step and runs synchronously."""
     prompts = prompts_of_lengths([7, 20, 11], seed=3)
     seeded = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=NEW, seed=42),
@@ -197,6 +197,7 @@ def test_worker_streams_and_aborts_with_overlap(tiny_llama, prompts_of_lengths):
         worker.shutdown()
 
 
+@pytest.mark.slow  # a tensor-parallel rank in a process of its own
 def test_two_tensor_parallel_ranks_with_overlap(tiny_llama, prompts_of_lengths):
     """Rank 0 samples and sends each continuation's input ids to the other rank on the device."""
     prompts = prompts_of_lengths([5, 33, 18], seed=6)

@@ -10,6 +10,7 @@ from kernels.triton_sampling import apply_token_bitmask, gumbel_argmax
 IMPLEMENTATIONS = {"triton": gumbel_argmax, "reference": reference.gumbel_argmax}
 
 
+@pytest.mark.slow  # thousands of rows through the interpreted kernel
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 def test_draws_follow_the_tempered_softmax(name):
     """2,000 rows of one distribution, each with its own seed: the frequencies match the probabilities."""
@@ -21,6 +22,22 @@ def test_draws_follow_the_tempered_softmax(name):
     frequency = torch.bincount(ids.cpu(), minlength=6).float() / rows
     expected = torch.softmax(logits[0].cpu() / temperature, -1)
     assert (frequency - expected).abs().max() < 0.035  # about 4 standard deviations at these counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_masked_tokens_are_never_drawn_and_the_rest_keep_their_odds(name):
+    """The sampler's top-k / top-p / min-p path sets dropped tokens to -inf: they are never drawn, and the others
+    follow the tempered softmax renormalised over what is kept."""
+    sample = IMPLEMENTATIONS[name]
+    rows, temperature = 1000, 1.3
+    logits = torch.tensor([1.0, float("-inf"), 0.5, 2.5, float("-inf"), 1.5], device=DEVICE).repeat(rows, 1)
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ids = sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds)
+    frequency = torch.bincount(ids.cpu(), minlength=6).float() / rows
+    expected = torch.softmax(logits[0].cpu() / temperature, -1)
+    assert frequency[1] == frequency[4] == 0
+    assert (frequency - expected).abs().max() < 0.06  # about 4 standard deviations at these counts
 
 
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
