@@ -39,6 +39,9 @@ class OutputPlan:
 
 def plan_output(data: dict, model) -> OutputPlan:
     """Everything but reasoning, which needs the rendered prompt (with_prompt)."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if data.get(legacy) is not None:
+            raise RequestError(f"{legacy} is OpenAI's deprecated form of {current}, which this endpoint takes instead")
     check_stream_options(data)
     tools = parse_tools(data, tool_call_format(model.tokenizer.chat_template))
     schema, where = response_schema(data.get("response_format")), "response_format"

@@ -70,6 +70,7 @@ def prompts():
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.slow  # six engines, each generating twice
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("setting", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 7}])
 def test_greedy_under_a_grammar_equals_greedy_with_the_mask_applied_by_hand(

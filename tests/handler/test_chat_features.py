@@ -7,6 +7,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind the mock daemon
+
 ASK_CITY = [{"role": "user", "content": "Describe Paris as a city record."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 

@@ -147,6 +147,8 @@ BAD = [
      "response_format: xgrammar cannot compile this JSON schema: .*strin"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tools: xgrammar cannot compile"),
+    ({"functions": [{"name": "f"}]}, "functions is OpenAI's deprecated form of tools"),
+    ({"function_call": "auto"}, "function_call is OpenAI's deprecated form of tool_choice"),
     ({"logprobs": "yes"}, "logprobs must be a boolean"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be between 0 and 20"),

@@ -16,6 +16,7 @@ def client(mock_daemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{mock_daemon.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
 
 
+@pytest.mark.slow  # the mock daemon and its worker as processes
 def test_non_streaming_choices_carry_tool_calls_reasoning_and_logprobs(client):
     reply = client.chat.completions.create(model="features", messages=ASK)
     first, second = reply.choices
@@ -34,6 +35,7 @@ def test_non_streaming_choices_carry_tool_calls_reasoning_and_logprobs(client):
     assert reply.usage.total_tokens == 14
 
 
+@pytest.mark.slow
 def test_streaming_sends_one_chunk_per_reply_chunk_with_its_choice(client):
     chunks = list(client.chat.completions.create(model="features", messages=ASK, stream=True,
                                                  stream_options={"include_usage": True}))
