@@ -182,9 +182,11 @@ def logit_bias(params, uploads: UploadRing) -> tuple[Tensor, Tensor, Tensor] | N
 def top_logprobs(logits: Tensor, sampled: Tensor, plan: SamplingPlan) -> Tensor:
     """For the plan's logprob rows, in that order, float32 [R, 1 + 2 k]: the sampled token's logprob, then the
     k most likely tokens' logprobs (descending), then their ids (exact as float32 below 2**24)."""
-    rows = plan.logprob_rows_on_device
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = logprobs.gather(1, sampled[rows, None])
+    if len(plan.logprob_rows) < len(sampled):
+        rows = plan.logprob_rows_on_device
+        logits, sampled = logits[rows], sampled[rows]
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    chosen = logprobs.gather(1, sampled[:, None])
     top, ids = logprobs.topk(plan.num_top_logprobs, dim=-1)
     return torch.cat((chosen, top, ids.float()), dim=1)
 

@@ -103,7 +103,10 @@ class Choice:
         self.finish_reason: str | None = None
 
     def consume(self, outputs) -> dict | None:
-        """The chunk these engine outputs make (None when they add nothing a client would see)."""
+        """The chunk these engine outputs make (None when they add nothing a client would see, and once the
+        choice has ended)."""
+        if self.finish_reason is not None:
+            return None
         text, entries = [], []
         for output in outputs:
             piece, num_read = self.completion.consume(output)

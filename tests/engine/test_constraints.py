@@ -115,7 +115,8 @@ def test_greedy_logprobs_are_transformers_log_softmax_with_the_bias(tiny_llama, 
     banned = reference[0]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, logit_bias={banned: -100.0, 7: 3.0})
     llm = LLM(tiny_llama.path, dtype="float32")
-    out = llm.generate([prompt], params)[0]
+    out, neighbour = llm.generate([prompt, prompts[0]], [params, SamplingParams(temperature=0, max_tokens=6)])
+    assert neighbour["logprobs"] == [] and neighbour["token_ids"] == tiny_llama.greedy(prompts[0], 6)
     tokens, logprobs = out["token_ids"], out["logprobs"]
     assert tokens[0] != banned and len(logprobs) == len(tokens) == 6
     with torch.inference_mode():
