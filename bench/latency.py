@@ -1,24 +1,70 @@
 """Time to first token for a 1,024-token prompt and time per output token at batch 1, 8, 64 and 256,
 through the engine's own step loop (random Qwen3-0.6B-shaped weights unless --model is given). Decode steps
-overlap the host's work with the previous step's GPU time unless --no-overlap is given."""
+overlap the host's work with the previous step's GPU time unless --no-overlap is given.
+
+--json-schema also times every row under a JSON-schema grammar (an array of at least 1,000 strings, so no row
+ends within the run) and --top-logprobs K every row asking for K logprobs per token, each against the
+unconstrained time at the same batch in the same run. Random weights come with no tokenizer: the grammar is
+compiled for a synthetic byte-level vocabulary of the model's size (single bytes, pseudo-words with and
+without a leading space, and a few percent of punctuation tokens, quotes among them, as in a real BPE vocab).
+"""
 import argparse
+import json
+import random
 import statistics
 import time
 from random import randint, seed
 
 import torch
+from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 from random_model import make_random_model
+
+LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
+               "(", ")", "[", "]", "{", "}", "-", "_", "/", "\\", "\\n", "\\u", "\n", "\n\n", "  ", "\t"]
 
 
 def random_prompt(length: int) -> list[int]:
     return [randint(0, 10000) for _ in range(length)]
 
 
-def run_to_first_token(core, prompts, max_tokens) -> list:
+def synthetic_vocabulary(size: int) -> list[bytes]:
+    """A byte-level vocabulary of `size` distinct tokens: the 256 bytes, then punctuation and pseudo-words."""
+    rng = random.Random(0)
+    vocab = [bytes([b]) for b in range(256)]
+    seen = set(vocab)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + list("aeiou") + ["th", "ng", "st", "er"]
+    while len(vocab) < size:
+        if rng.random() < 0.03:
+            token = rng.choice(PUNCTUATION) + rng.choice(["", "", " ", rng.choice(syllables)])
+        else:
+            token = rng.choice(["", " ", " ", "  "]) + "".join(rng.choices(syllables, k=rng.randint(1, 4)))
+            token = token.capitalize() if rng.random() < 0.2 else token
+        raw = token.encode()
+        if raw not in seen:
+            seen.add(raw)
+            vocab.append(raw)
+    return vocab
+
+
+def long_json_grammar(model_path: str):
+    """The compiled LONG_JSON grammar for a vocabulary of the model's size (its last token stands for eos)."""
+    import xgrammar
+
+    vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+    info = xgrammar.TokenizerInfo(synthetic_vocabulary(vocab_size), vocab_size=vocab_size,
+                                  stop_token_ids=[vocab_size - 1])
+    return xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(LONG_JSON), any_whitespace=False)
+
+
+def run_to_first_token(core, prompts, max_tokens, logprobs=None, grammar=None) -> list:
     """Admits the prompts and steps until each has its first token; returns the sequences."""
-    seqs = [core.make_sequence(object(), p, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens))
+    from handler.grammar import GrammarConstraint
+
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, logprobs=logprobs)
+    seqs = [core.make_sequence(object(), p, params, GrammarConstraint(grammar) if grammar is not None else None)
             for p in prompts]
     for seq in seqs:
         core.add(seq)
@@ -38,13 +84,16 @@ def time_to_first_token(core, prompt_len: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_per_output_token(core, batch: int, prompt_len: int, steps: int) -> float:
-    seqs = run_to_first_token(core, [random_prompt(prompt_len) for _ in range(batch)], max_tokens=steps + 2)
+def time_per_output_token(core, batch: int, prompt_len: int, steps: int, **features) -> float:
+    """features: run_to_first_token's logprobs and grammar, for every row."""
+    seqs = run_to_first_token(core, [random_prompt(prompt_len) for _ in range(batch)], max_tokens=steps + 2,
+                              **features)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         core.step()  # returns after a step's sampled ids reached the host (overlapped: the step before)
         times.append(time.perf_counter() - start)
+    assert not any(seq.is_finished for seq in seqs), "every row ran the whole time"
     for seq in seqs:
         core.abort(seq)
     return statistics.median(times)
@@ -59,6 +108,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
+    ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
+    ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
@@ -68,12 +119,26 @@ def main():
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
     ttft = time_to_first_token(core, args.prompt_len, 10)
     rows = [("TTFT", f"1 x {args.prompt_len}", ttft * 1e3)]
+    variants = {}
+    if args.json_schema:
+        variants["json-schema"] = {"grammar": long_json_grammar(path)}
+    if args.top_logprobs is not None:
+        variants[f"top-logprobs {args.top_logprobs}"] = {"logprobs": args.top_logprobs}
+    compared = []
     for batch in map(int, args.batches.split(",")):
         tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
         rows.append(("TPOT", f"batch {batch} x ctx {args.prompt_len}", tpot * 1e3))
+        for name, features in variants.items():
+            time_per_output_token(core, batch, args.prompt_len, 8, **features)  # warm-up (first masks, kernels)
+            with_feature = time_per_output_token(core, batch, args.prompt_len, args.steps, **features)
+            compared.append((batch, name, tpot * 1e3, with_feature * 1e3))
     print(f"{'metric':6} {'shape':28} {'ms (median)':>12}")
     for metric, shape, ms in rows:
         print(f"{metric:6} {shape:28} {ms:12.3f}")
+    if compared:
+        print(f"\n{'batch':>5} {'feature':18} {'plain ms':>9} {'with ms':>9} {'over':>7}")
+        for batch, name, plain, featured in compared:
+            print(f"{batch:5d} {name:18} {plain:9.3f} {featured:9.3f} {100 * (featured / plain - 1):6.1f}%")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import uuid
 from aiohttp import web
 
 from .log import error
+from .openai_chat import ChatReply, stream_choice
 from .serving_metrics import CONTENT_TYPE, ServingMetrics
 from .worker_connection import CHAT_QUEUE_CHUNKS, UnencodableRequest, WorkerConnection, WorkerError, WorkerGone
 from .worker_health import HEALTH_TIMEOUT_S, WorkerHealth
@@ -170,13 +171,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     validate_chat(body)
     if body.get("stream"):
         return await stream_chat(request, body)
-    result = await complete_chat(request, body)
+    reply = await complete_chat(request, body)
     return web.json_response({
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model_name(request),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["content"]},
-                     "finish_reason": result["finish_reason"], "logprobs": None}],
-        **({"usage": result["usage"]} if result["usage"] else {})})
+        "model": model_name(request), "choices": reply.choices(),
+        **({"usage": reply.usage} if reply.usage else {})})
 
 
 async def open_chat(request: web.Request, data: dict):
@@ -207,17 +206,16 @@ async def chat_chunks(request: web.Request, stream):
             return
 
 
-async def complete_chat(request: web.Request, data: dict) -> dict:
-    """Concatenate every chunk's content; keep the last finish_reason and usage."""
+async def complete_chat(request: web.Request, data: dict) -> ChatReply:
+    """Every chunk gathered into its choice (content concatenated); the last finish_reason and usage."""
     stream = await open_chat(request, data)
-    parts, last = [], {}
+    reply = ChatReply()
     try:
         async for payload in chat_chunks(request, stream):
-            parts.append(payload.get("content") or "")
-            last = payload
+            reply.add(payload)
     finally:
         stream.close()
-    return {"content": "".join(parts), "finish_reason": last.get("finish_reason"), "usage": last.get("usage")}
+    return reply
 
 
 def sse(obj) -> bytes:
@@ -232,19 +230,18 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
     response = None
     usage = None
+    started = set()  # choices that have had their first delta
     try:
         chunks = chat_chunks(request, stream)
         try:
             async for payload in chunks:
-                delta = {"content": payload.get("content") or ""}
+                choice = stream_choice(payload, started)
                 if response is None:
                     base["model"] = model_name(request)
-                    delta = {"role": "assistant", **delta}
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache"})
                     await response.prepare(request)
                 usage = payload.get("usage") or usage
-                choice = {"index": 0, "delta": delta, "finish_reason": payload.get("finish_reason"), "logprobs": None}
                 await response.write(sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})}))
         except (WorkerError, WorkerGone, TimeoutError) as exc:
             if response is None:
@@ -345,14 +342,14 @@ async def responses(request: web.Request) -> web.Response:
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
         if body.get(theirs) is not None:
             data[ours] = body[theirs]
-    result = await complete_chat(request, data)
-    usage = result["usage"] or {}
+    reply = await complete_chat(request, data)
+    usage = reply.usage or {}
     return web.json_response({
         "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-        "status": "completed" if result["finish_reason"] != "length" else "incomplete",
+        "status": "completed" if reply.finish_reason != "length" else "incomplete",
         "model": model_name(request),
         "output": [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": result["content"], "annotations": []}]}],
+                    "content": [{"type": "output_text", "text": reply.content(), "annotations": []}]}],
         "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
                   "total_tokens": usage.get("total_tokens", 0)}})
 

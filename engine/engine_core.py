@@ -49,9 +49,14 @@ class EngineCore:
             raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary "
                              f"[0, {self.runner.vocab_size})")
 
-    def make_sequence(self, request_id, prompt_token_ids: list[int], params) -> Sequence:
+    def make_sequence(self, request_id, prompt_token_ids: list[int], params, constraint=None,
+                      shares_prompt_with: Sequence | None = None) -> Sequence:
+        """constraint: what tokens the request may take (engine/constraints.py); shares_prompt_with: a request
+        with the same prompt (n choices of one completion), whose prompt blocks this one takes from the prefix
+        cache once they are computed."""
         self.check_prompt(prompt_token_ids)
-        return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
+        return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids, constraint,
+                        shares_prompt_with)
 
     def add(self, seq: Sequence) -> None:
         """Queues a request made by make_sequence; step() computes it."""
@@ -79,7 +84,11 @@ class EngineCore:
         With overlap on, the next step is scheduled (Scheduler.schedule_ahead) and launched before this one's
         sampled ids are read; it takes them on the device. The host applies step N while the device computes
         step N+1, which the next call returns. Rows of requests that step N finished compute one token that
-        is thrown away."""
+        is thrown away.
+
+        A step N+1 with constrained rows runs its forward ahead like any other, but is sampled only here,
+        after step N's tokens are on the host and the constraints have accepted them: the masks are filled
+        while the device runs N+1's forward, which waits for them only if that takes longer than the forward."""
         launched, self.in_flight = self.in_flight, None
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
@@ -88,14 +97,25 @@ class EngineCore:
             launched = launched or self.runner.launch(seqs, num_tokens)
             if self.overlap and launched.plannable:
                 self.in_flight = self._launch_next(launched)
-            sampled = self.runner.finish(launched)
+            sampled, logprobs = self.runner.finish(launched)
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
-            failed = [seq for seq in seqs if not seq.is_finished]
-            self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")
-            return [(seq, None) for seq in failed]
-        return self.scheduler.update(seqs, num_tokens, sampled)
+            return self._fail(seqs, exc)
+        results = self.scheduler.update(seqs, num_tokens, sampled, logprobs)
+        if self.in_flight is not None and self.in_flight.deferred:
+            try:
+                self.runner.sample(self.in_flight)
+            except Exception as exc:  # a constraint that fails ends its step's requests
+                log.exception("sampling a step failed; its requests end with finish_reason 'error'")
+                failed, self.in_flight = self.in_flight.seqs, None
+                results += self._fail(failed, exc)
+        return results
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
+        failed = [seq for seq in seqs if not seq.is_finished]
+        self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")
+        return [(seq, None) for seq in failed]
 
     def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
         """The step after `launched`, launched before its sampled ids are read, or None when the scheduler

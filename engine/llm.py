@@ -31,15 +31,18 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[dict]:
-        """Runs every prompt to completion; returns [{"text", "token_ids"}] in prompt order
-        (text is None for a model without a tokenizer)."""
+                 progress: bool = False, constraints: list | None = None) -> list[dict]:
+        """Runs every prompt to completion; returns [{"text", "token_ids", "logprobs"}] in prompt order (text is
+        None for a model without a tokenizer; logprobs, per token, where the params ask). constraints: one per
+        prompt (or None), engine/constraints.py."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        seqs = [self.core.make_sequence(i, self._encode(prompt), params)
-                for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
+        constraints = constraints or [None] * len(prompts)
+        if not len(sampling_params) == len(constraints) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, {len(sampling_params)} sampling params and "
+                             f"{len(constraints)} constraints")
+        seqs = [self.core.make_sequence(i, self._encode(prompt), params, constraint)
+                for i, (prompt, params, constraint) in enumerate(zip(prompts, sampling_params, constraints))]
         for seq in seqs:
             self.core.add(seq)
         done, started = 0, time.perf_counter()
@@ -55,7 +58,8 @@ class LLM:
         if progress:
             print(file=sys.stderr)
         return [{"text": self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-                 if self.tokenizer else None, "token_ids": seq.output_token_ids} for seq in seqs]
+                 if self.tokenizer else None, "token_ids": seq.output_token_ids, "logprobs": seq.logprobs}
+                for seq in seqs]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

@@ -6,6 +6,10 @@ before reading this one's ids. Such a step's leading requests continue the one i
 place of their input ids, the rows of that step's sampled ids they take; the device swaps the ids in before
 the forward (see execute).
 
+A step launched that way whose sampling rows include constrained requests (engine/constraints.py) runs its
+forward at once but samples later (sample()): their masks depend on the tokens of the step in flight, which
+their constraints must accept first. The engine samples it as soon as it has applied that step.
+
 The parts it is built of: engine/kv_cache.py sizes and allocates the cache, engine/step_inputs.py stages a
 step's inputs, engine/cuda_graphs.py captures and replays the forward, engine/sampler.py draws the tokens.
 """
@@ -16,10 +20,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine.config import EngineConfig
+from engine.constraints import TokenMasks
 from engine.cuda_graphs import CudaGraphs
 from engine.embedding import forward_decoder
 from engine.kv_cache import allocate_kv_cache
 from engine.sampler import Sampler
+from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
 from engine.step_inputs import StagedStep, StepBuffers
 from models.parallel_layers import tp_rank, tp_size
@@ -34,6 +40,16 @@ class LaunchedStep:
     ids: Tensor | None  # the sampled ids: in pinned host memory once `ready` has passed (on the CPU, at once)
     ready: "torch.cuda.Event | None"
     plannable: bool  # no penalties: the next step needs no token of this one on the host
+    sampling: list[Sequence] | None = None  # the sequences of sample_rows
+    drawn_ahead: list[int] | None = None  # tokens each of them has drawn beyond its token_ids
+    logits: Tensor | None = None  # of the sampling rows, until sample() has used them
+    logprobs: Tensor | None = None  # sampler.top_logprobs of the rows that ask (logprob_rows), beside ids
+    logprob_rows: list[int] | None = None
+
+    @property
+    def deferred(self) -> bool:
+        """Launched, not yet sampled: ModelRunner.sample() must run before finish()."""
+        return self.logits is not None
 
 
 class ModelRunner:
@@ -58,8 +74,10 @@ class ModelRunner:
         self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len)
         self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)  # one request fits
         self.buffers = StepBuffers(config, self.max_model_len, self.device)
+        self.token_masks: TokenMasks | None = None  # made for the first step with a constrained request
         if self.device.type == "cuda":  # two: a step's ids may still be on their way while the next is launched
             self.host_ids = [(torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                              torch.zeros(config.max_num_seqs * (1 + 2 * MAX_LOGPROBS), pin_memory=True),
                               torch.cuda.Event()) for _ in range(2)]
             self.num_launched = 0
             self._warm_lm_head()
@@ -82,40 +100,73 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], num_tokens: list[int], ahead: list[int] | None = None,
                follows: list[int] = ()) -> LaunchedStep:
         """Starts the step on the device without waiting for it. With ahead, it goes on from the last step
-        launched, still unfinished (see StepBuffers.stage)."""
+        launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
+        to sample() once that one has been applied."""
         staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens), ahead, follows)
         logits = self.collective("execute", staged)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
         drawn_ahead = [1] * len(follows) + [0] * (len(sampling) - len(follows))  # the leading rows all sample
-        self.last_sampled = self.sampler(logits, sampling, ahead=drawn_ahead)
-        ids, ready = self._to_host(self.last_sampled)
-        plannable = not self.sampler.plan_for(sampling).penalised
-        return LaunchedStep(seqs, num_tokens, staged.sample_rows, ids, ready, plannable)
+        plan = self.sampler.plan_for(sampling)
+        step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, not plan.penalised, sampling,
+                            drawn_ahead, logits)
+        if ahead is None or not plan.constrained:
+            self.sample(step)
+        return step
 
-    def finish(self, step: LaunchedStep) -> list[int | None]:
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> None:
+        """Samples a launched step (with the masks of its constrained rows, from their constraints' state now)
+        and starts copying its ids, and logprobs, to the host."""
+        sampling, plan = step.sampling, self.sampler.plan_for(step.sampling)
+        masks = None
+        if plan.constrained:
+            if self.token_masks is None:
+                self.token_masks = TokenMasks(step.logits.shape[1], self.config.max_num_seqs, self.sampler.uploads)
+            masks = self.token_masks.build(sampling)
+        self.last_sampled, logprobs = self.sampler.sample(step.logits, sampling, step.drawn_ahead, masks)
+        step.logits, step.logprob_rows = None, plan.logprob_rows
+        step.ids, step.logprobs, step.ready = self._to_host(self.last_sampled, logprobs)
+
+    def finish(self, step: LaunchedStep) -> tuple[list[int | None], list | None]:
         """The sampled token of each of the step's sequences (None: a prompt chunk that does not reach the
-        end of its tokens), once the device has sent them: the step's one wait."""
+        end of its tokens), once the device has sent them: the step's one wait. With them, each sequence's
+        logprobs (the sampled token's, the top ids, theirs; None where not asked), or None when none asked."""
         if step.ready is not None:
             step.ready.synchronize()
         sampled = [None] * len(step.seqs)
         if step.ids is not None:
             for row, token_id in zip(step.sample_rows, step.ids.tolist()):
                 sampled[row] = token_id
-        return sampled
+        return sampled, self._logprobs(step)
 
-    def _to_host(self, ids: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
-        """Starts copying sampled ids into pinned memory, alternating between two buffers (the other may
-        hold the ids of the step launched before, not read yet); returns the buffer and its ready event."""
+    def _logprobs(self, step: LaunchedStep) -> list | None:
+        if step.logprobs is None:
+            return None
+        per_seq = [None] * len(step.seqs)
+        sampling = step.sampling
+        for row, values in zip(step.logprob_rows, step.logprobs.tolist()):
+            k, width = sampling[row].params.logprobs, (len(values) - 1) // 2
+            top_ids = [int(token_id) for token_id in values[1 + width:1 + width + k]]
+            per_seq[step.sample_rows[row]] = (values[0], top_ids, values[1:1 + k])
+        return per_seq
+
+    def _to_host(self, ids: Tensor, logprobs: Tensor | None) -> tuple[Tensor, Tensor | None,
+                                                                     "torch.cuda.Event | None"]:
+        """Starts copying sampled ids (and logprobs) into pinned memory, alternating between two buffers (the
+        other may hold those of the step launched before, not read yet); returns them and their ready event."""
         if self.device.type != "cuda":
-            return ids, None
+            return ids, logprobs, None
         self.num_launched += 1
-        buffer, ready = self.host_ids[self.num_launched % 2]
-        buffer = buffer[:len(ids)]
-        buffer.copy_(ids, non_blocking=True)
+        id_buffer, logprob_buffer, ready = self.host_ids[self.num_launched % 2]
+        id_buffer = id_buffer[:len(ids)]
+        id_buffer.copy_(ids, non_blocking=True)
+        if logprobs is not None:  # a contiguous view: a strided copy to the host would not be asynchronous
+            logprob_buffer = logprob_buffer[:logprobs.numel()].view(logprobs.shape)
+            logprob_buffer.copy_(logprobs, non_blocking=True)
         ready.record()
-        return buffer, ready
+        return id_buffer, logprob_buffer if logprobs is not None else None, ready
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep) -> Tensor | None:

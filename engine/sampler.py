@@ -1,7 +1,9 @@
-"""Token choice for a whole batch on the device; only the chosen ids go back to the host.
+"""Token choice for a whole batch on the device; only the chosen ids (and logprobs, for rows that ask) go back
+to the host.
 
-Order (as vLLM and the OpenAI API define it): repetition penalty (prompt and output tokens), frequency
-and presence penalties (output tokens), then greedy rows take the argmax; the others divide by their
+Order (as vLLM and the OpenAI API define it): logit bias, repetition penalty (prompt and output tokens),
+frequency and presence penalties (output tokens), the token masks of constrained rows (grammars: tokens they
+rule out get -inf), then greedy rows take the argmax; the others divide by their
 temperature, drop tokens under min_p * max probability, outside the top k, and outside the top-p
 nucleus, and draw from what is left.
 
@@ -9,6 +11,11 @@ Every draw is Gumbel-max with noise keyed per row (kernels.gumbel_argmax, one pa
 that asks only for temperature (the common case) draws from its logits as they are, any other batch from its
 logits with the dropped tokens set to -inf. A seeded request's key is a hash of its seed and the position of
 the token drawn, so its tokens depend on its seed, its positions and its own settings, never on its batch.
+
+Logprobs are the log-softmax of the logits after bias, penalties and grammar masks, before temperature, top-k,
+top-p and min-p: the distribution the row's token was chosen from, at temperature 1 (so a temperature does not
+change them, and a token a mask rules out is never reported as chosen). vLLM reports the raw model's by
+default; OpenAI's are unaffected by temperature too.
 """
 import numpy as np
 import torch
@@ -40,6 +47,12 @@ class SamplingPlan:
             self.temperature_or_zero = torch.where(self.greedy, 0.0, self.temperature)
         self.uses_masks = self.uses_min_p or self.uses_top_k_top_p
         self.penalty_counts: PenaltyCounts | None = None  # made at the batch's first penalised step
+        self.constrained = any(seq.constraint is not None for seq in seqs)  # masks to apply (engine/constraints.py)
+        self.bias = logit_bias(params, uploads)
+        self.logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if self.logprob_rows:
+            self.num_top_logprobs = max(params[row].logprobs for row in self.logprob_rows)
+            self.logprob_rows_on_device = uploads.upload(np.array(self.logprob_rows, dtype=np.int64))
 
 
 class PenaltyCounts:
@@ -78,16 +91,30 @@ class Sampler:
         self.planned_seqs: list[Sequence] = []
         self.plan: SamplingPlan | None = None
 
-    @torch.inference_mode()
     def __call__(self, logits: Tensor, seqs: list[Sequence], ahead: int | list[int] = 0) -> Tensor:
+        """The token ids of sample(), for a batch without masks."""
+        return self.sample(logits, seqs, ahead)[0]
+
+    @torch.inference_mode()
+    def sample(self, logits: Tensor, seqs: list[Sequence], ahead: int | list[int] = 0,
+               masks: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """logits [N, V] (any float dtype; bf16 from a bf16 model), one row per request -> int64 [N] token ids,
-        on the device. ahead: how many tokens each request (or every request) has drawn beyond its token_ids
-        (a step launched before the last one finished). Every path computes in float32: the argmax and the
-        Gumbel-max kernel read bf16 exactly, the temperature division promotes, penalties and masks take a
-        float32 copy."""
+        on the device, and the logprobs of the rows that ask (top_logprobs), or None when none does. ahead: how
+        many tokens each request (or every request) has drawn beyond its token_ids (a step launched before the
+        last one finished). masks: (bitmask, rows) for kernels.apply_token_bitmask, the allowed tokens of the
+        constrained rows. Every path computes in float32: the argmax and the Gumbel-max kernel read bf16 exactly,
+        the temperature division promotes, bias, penalties and top-k/top-p/min-p masks take a float32 copy."""
         plan = self.plan_for(seqs)
+        if plan.bias is not None:
+            logits = logits.float().index_put_(plan.bias[:2], plan.bias[2], accumulate=True)
         if plan.penalised:
             logits = self.apply_penalties(logits.float(), seqs)
+        if masks is not None:
+            kernels.apply_token_bitmask(logits, *masks)
+        sampled = self.choose(logits, seqs, plan, ahead)
+        return sampled, top_logprobs(logits, sampled, plan) if plan.logprob_rows else None
+
+    def choose(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int | list[int]) -> Tensor:
         if plan.all_greedy:
             return logits.argmax(-1)
         if not plan.uses_masks:
@@ -140,6 +167,28 @@ class Sampler:
         logits = logits.clone()
         logits[counts.rows] = picked
         return logits
+
+
+def logit_bias(params, uploads: UploadRing) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The batch's logit biases as (rows, token ids, biases) on the device, or None when no row has any."""
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, tokens, biases = zip(*entries)
+    return (uploads.upload(np.array(rows, dtype=np.int64)), uploads.upload(np.array(tokens, dtype=np.int64)),
+            uploads.upload(np.array(biases, dtype=np.float32)))
+
+
+def top_logprobs(logits: Tensor, sampled: Tensor, plan: SamplingPlan) -> Tensor:
+    """For the plan's logprob rows, in that order, float32 [R, 1 + 2 k]: the sampled token's logprob, then the
+    k most likely tokens' logprobs (descending), then their ids (exact as float32 below 2**24)."""
+    if len(plan.logprob_rows) < len(sampled):
+        rows = plan.logprob_rows_on_device
+        logits, sampled = logits[rows], sampled[rows]
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    chosen = logprobs.gather(1, sampled[:, None])
+    top, ids = logprobs.topk(plan.num_top_logprobs, dim=-1)
+    return torch.cat((chosen, top, ids.float()), dim=1)
 
 
 def add_token_counts(counts: Tensor, token_lists: list[list[int]], uploads: UploadRing) -> None:

@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit, OpenAI's)
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None     # None: none; k: the sampled token's logprob and the k most likely tokens'
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before any other processing
 
     def __post_init__(self):
         _number("temperature", self.temperature, lambda x: x >= 0, ">= 0")
@@ -36,6 +40,14 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, lambda x: x >= 0, "non-negative integers")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, lambda x: 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or None)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map from token id to bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _integer("logit_bias token ids", token, lambda x: x >= 0, "non-negative integers")
+                _number(f"logit_bias[{token}]", bias, lambda x: True, "a finite number")
 
     @property
     def greedy(self) -> bool:

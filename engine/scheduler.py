@@ -50,9 +50,12 @@ class Scheduler:
         return seqs, num_tokens
 
     def _admit(self, seqs: list[Sequence], num_tokens: list[int], budget: int) -> None:
-        """Admits waiting requests, oldest first, while the budget, the seats and the free blocks last."""
+        """Admits waiting requests, oldest first, while the budget, the seats and the free blocks last, and
+        the request first in line does not wait for the prompt it shares to be computed."""
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prompt_pending:
+                break
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
             n = min(len(seq) - num_cached, budget)
@@ -113,20 +116,21 @@ class Scheduler:
         ahead += [0] * (len(seqs) - num_running)
         return seqs, num_tokens, ahead, follows
 
-    def update(self, seqs: list[Sequence], num_tokens: list[int],
-               sampled: list[int | None]) -> list[tuple[Sequence, int | None]]:
-        """Applies a finished step: advances each request, appends sampled tokens, retires finished ones.
-        Requests that finished while it ran (aborted, or stopped by the step before) take nothing from it.
-        Returns the others with their tokens."""
+    def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None],
+               logprobs: list | None = None) -> list[tuple[Sequence, int | None]]:
+        """Applies a finished step: advances each request, appends sampled tokens (with their logprobs, per
+        request, when given), retires finished ones. Requests that finished while it ran (aborted, or stopped by
+        the step before) take nothing from it. Returns the others with their tokens."""
         results = []
         finished = False
-        for seq, n, token_id in zip(seqs, num_tokens, sampled):
+        logprobs = logprobs or [None] * len(seqs)
+        for seq, n, token_id, token_logprobs in zip(seqs, num_tokens, sampled, logprobs):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             self.block_manager.free_out_of_window(seq)
-            if token_id is not None and seq.append_token(token_id):
+            if token_id is not None and seq.append_token(token_id, token_logprobs):
                 finished = True
             results.append((seq, token_id))
         if finished:

@@ -13,14 +13,20 @@ class SequenceStatus(Enum):
 class Sequence:
     """A request's state. There are no phases: a step computes tokens num_computed_tokens.. of token_ids
     (a whole prompt, a chunk of one, a recomputation after preemption or one decode token), and the
-    request samples a new token whenever that step reaches the end of token_ids."""
+    request samples a new token whenever that step reaches the end of token_ids.
+
+    constraint: an opaque object that says which tokens may come next (engine/constraints.py); it accepts
+    each token the request takes, once, and the request ends ("stop") when it terminates. shares_prompt_with:
+    another request with the same prompt, whose computed prompt blocks this one takes from the prefix cache
+    (it is admitted once that one's prompt is computed)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
-                 "stop_token_ids", "max_len", "finish_reason", "error")
+                 "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
+                 shares_prompt_with: "Sequence | None" = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -38,6 +44,9 @@ class Sequence:
         self.max_len = min(limit, max_model_len)
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.constraint = constraint
+        self.shares_prompt_with = shares_prompt_with
+        self.logprobs: list[tuple[float, list[int], list[float]]] = []  # per output token, when params ask
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -54,10 +63,23 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> bool:
-        """Adds a sampled token; finishes the request on a stop token or at its length limit (returns True)."""
+    @property
+    def prompt_pending(self) -> bool:
+        """The prompt of the request this one shares its prompt with is not in the prefix cache yet."""
+        leader = self.shares_prompt_with
+        return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprobs: tuple[float, list[int], list[float]] | None = None) -> bool:
+        """Adds a sampled token (and its logprobs: its own, the top ids, theirs); finishes the request on a stop
+        token, when its constraint ends or rejects the token, or at its length limit (returns True)."""
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if token_id in self.stop_token_ids:
+            self.finish("stop")
+        elif self.constraint is not None and not self.constraint.accept_token(token_id):
+            self.finish("error", f"token {token_id} broke the request's constraint")
+        elif self.constraint is not None and self.constraint.is_terminated():
             self.finish("stop")
         elif len(self.token_ids) >= self.max_len:
             self.finish("length")

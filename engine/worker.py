@@ -30,6 +30,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    logprobs: list | None = None  # per new token, when the request asks: (its logprob, top ids, their logprobs)
 
 
 @dataclass
@@ -78,12 +79,18 @@ class Worker:
 
     # ---- called from the event loop (any thread) ------------------------------------------------
 
-    def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queues a generation request; its outputs arrive on the returned queue. Bad input -> ValueError."""
+    def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams, constraint=None,
+               queue: asyncio.Queue | None = None, shares_prompt_with=None) -> asyncio.Queue:
+        """Queues a generation request; its outputs arrive on the returned queue (`queue` when given: requests
+        may share one, their outputs told apart by request_id). constraint: engine/constraints.py.
+        shares_prompt_with: the id of a request in flight with the same prompt, whose prompt blocks this one
+        takes from the prefix cache. Bad input -> ValueError."""
         if self.core is None:
             raise ValueError(f"model {self.config.model} is an embedding model: it serves embeddings only")
-        seq = self.core.make_sequence(request_id, prompt_token_ids, params)
-        request = _Request(seq, asyncio.Queue(), asyncio.get_running_loop())
+        with self._cond:
+            leader = self._requests.get(shares_prompt_with) if shares_prompt_with is not None else None
+        seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq)
+        request = _Request(seq, asyncio.Queue() if queue is None else queue, asyncio.get_running_loop())
         with self._cond:
             self._check_running()
             if request_id in self._requests:
@@ -232,8 +239,10 @@ class Worker:
             request = self._requests.get(seq.request_id)
             if request is None or (token_id is None and not seq.is_finished):
                 continue
+            logprobs = seq.logprobs[-1:] if token_id is not None and seq.params.logprobs is not None else None
             output = RequestOutput(seq.request_id, [] if token_id is None else [token_id], seq.finish_reason,
-                                   seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                                   seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                                   logprobs)
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:

@@ -52,6 +52,8 @@ class ChatModel:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict
+    vocab_size: int | None = None  # the LM head's rows (default: the tokenizer's size)
+    grammars: object = None  # handler.grammar.Grammars; None: no grammar-constrained output
 
 
 @dataclass(frozen=True)
@@ -59,30 +61,34 @@ class ChatRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
+    output: object = None  # handler.output_plan.OutputPlan: choices, grammar, tool calls, reasoning
 
 
 def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
     check_field_types(data)
-    messages = parse_messages(data.get("messages"))
-    prompt = render_prompt(model.tokenizer, messages, data)
+    from handler.output_plan import plan_output, with_prompt  # here: those modules import this one's helpers
+    from handler.tools import prepare_tool_turns
+    messages = prepare_tool_turns(parse_messages(data.get("messages")))
+    output = plan_output(data, model)
+    prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools)
     prompt_token_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
-    if data.get("n") not in (None, 1):
-        raise RequestError(f"n: only n=1 is supported, got {data['n']!r}", param="n")
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
     sampling = {name: fields[name] for name in SAMPLING_FIELDS if name in fields}
     ignore_eos = sampling.get("ignore_eos") is True
     try:  # SamplingParams checks the types and ranges and names the field
         params = SamplingParams(
-            **sampling, max_tokens=max_tokens, stop_token_ids=() if ignore_eos else model.eos_token_ids
+            **sampling, **output.sampling, max_tokens=max_tokens,
+            stop_token_ids=() if ignore_eos else model.eos_token_ids,
         )
     except ValueError as exc:  # its messages start with the field's name
-        field = next((name for name in sampling if str(exc).startswith(f"{name} ")), None)
+        field = next((name for name in (*sampling, *output.sampling) if str(exc).startswith(f"{name} ")), None)
         raise RequestError(str(exc), param=field) from exc
-    return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")))
+    return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")),
+                       with_prompt(output, model.tokenizer.chat_template, prompt))
 
 
 def check_field_types(data: dict) -> None:
@@ -148,14 +154,15 @@ def message_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict) -> str:
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict,
+                  tools: list[dict] | None = None) -> str:
     kwargs = data.get("chat_template_kwargs") or {}
     add_generation_prompt = data.get("add_generation_prompt") is not False
     if tokenizer.chat_template is None:
         raise RequestError("the model has no chat template, so it cannot serve chat completions")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
         raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
@@ -202,6 +209,13 @@ def sampling_defaults(model_dir: str) -> dict:
     """Sampling defaults from the model's generation_config.json."""
     config = read_generation_config(model_dir)
     return {field: config[key] for key, field in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
+
+
+def integer(fields: dict, name: str) -> int:
+    value = fields[name]
+    if not is_a(value, "integer"):
+        raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+    return value
 
 
 def type_name(value) -> str:

@@ -6,10 +6,12 @@ ever comes out. On top of it this module holds back text that may be the start o
 client must never see any part of a stop string, even when its first characters arrive tokens earlier.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from handler.text_markers import MarkerScanner
 
 # Prompt tokens the stream starts from, so the first generated token decodes as it would after the
 # prompt (decoders such as Metaspace strip a leading space from the first token of a sequence).
@@ -17,45 +19,28 @@ PRIMING_TOKENS = 8
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 kept_tokens: Mapping[int, str] | None = None):
+        """kept_tokens: special tokens whose text the reply needs (a tool-call marker such as Llama's
+        <|python_tag|>), by id; every other special token decodes to nothing."""
         self._tokenizer = tokenizer
         self._stream = DecodeStream(ids=list(prompt_token_ids[-PRIMING_TOKENS:]), skip_special_tokens=True)
-        self._stops = tuple(stop)
-        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))  # proper prefixes
-        self._longest_prefix = max(map(len, self._stop_prefixes), default=0)
-        self._pending = ""  # decoded, not released: it may be the start of a stop string
+        self._stops = MarkerScanner(tuple(stop)) if stop else None
+        self._kept = kept_tokens or {}
         self.stopped = False  # a stop string was found; the text released ends right before it
 
     def add(self, token_id: int) -> str:
         """The text this token releases. After a stop string completes, `stopped` is set and the
         text up to it has been released; feed no more tokens."""
         piece = self._stream.step(self._tokenizer, token_id) or ""  # None while a character is incomplete
-        if not self._stops or not piece:
+        if token_id in self._kept:
+            piece += self._kept[token_id]
+        if self._stops is None or not piece:
             return piece
-        self._pending += piece
-        hit = self._first_stop()
-        if hit is not None:
-            self.stopped = True
-            released = self._pending[:hit]
-            self._pending = ""
-            return released
-        return self._release(len(self._pending) - self._stop_prefix_length())
+        released, stop, _ = self._stops.split(piece)
+        self.stopped = stop is not None
+        return released
 
     def flush(self) -> str:
         """The held-back text, at the end of generation: no stop string can complete any more."""
-        return self._release(len(self._pending))
-
-    def _release(self, end: int) -> str:
-        released, self._pending = self._pending[:end], self._pending[end:]
-        return released
-
-    def _first_stop(self) -> int | None:
-        found = [i for i in (self._pending.find(stop) for stop in self._stops) if i >= 0]
-        return min(found) if found else None
-
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest end of the pending text that some stop string starts with."""
-        for length in range(min(len(self._pending), self._longest_prefix), 0, -1):
-            if self._pending[-length:] in self._stop_prefixes:
-                return length
-        return 0
+        return self._stops.flush() if self._stops is not None else ""

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from daemon_protocol import RequestError
 from engine import Worker
 from handler.chat import ChatModel, parse_chat_request, sampling_defaults, type_name
-from handler.detokenizer import Detokenizer
+from handler.choices import ChatReplies
+from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.tokenizer import embedding_token_ids
 
@@ -38,11 +39,13 @@ class Service:
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
         # A copy: tokenizers refuses to use one tokenizer from two threads while one reconfigures it
         # (truncation), so the encoding thread shares nothing with the loop's decoding.
-        self.chat_model = ChatModel(copy.deepcopy(tokenizer), worker.max_model_len, eos,
-                                    sampling_defaults(worker.model_dir))
+        encoding_tokenizer = copy.deepcopy(tokenizer)
+        grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
+        self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
+                                    worker.vocab_size, grammars)
+        self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._request_ids = itertools.count(1)
-        self.generated_tokens = 0  # by every chat request so far, for the engine line
         self._engine_log_interval = engine_log_interval
         self._engine_report: asyncio.Task | None = None
 
@@ -51,35 +54,16 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.encoder, function, *args)
 
     async def chat_completions(self, data):
-        """Streams {"content", "finish_reason"} chunks; the last one has a finish_reason and usage."""
+        """Streams reply chunks (docs/chat-extensions.md); the last one has a finish_reason and usage."""
         request_id = f"chat-{next(self._request_ids)}"
         with logged_request(request_id, "chat_completions") as log, self.engine_errors():
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
             request = await self.encode(parse_chat_request, data, self.chat_model)
             log.prompt_tokens = len(request.prompt_token_ids)
-            completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids,
-                                                request.stop))
-            outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
             self.start_engine_report()
-            try:
-                while completion.finish_reason is None:
-                    batch = [await outputs.get()]
-                    while not outputs.empty():  # coalesce whatever already arrived into one chunk
-                        batch.append(outputs.get_nowait())
-                    content = "".join(completion.consume(output) for output in batch)
-                    self.generated_tokens += completion.num_tokens - log.completion_tokens
-                    log.completion_tokens = completion.num_tokens
-                    if completion.num_tokens:
-                        log.first_token()
-                    if completion.finish_reason is not None:
-                        yield {"content": content, "finish_reason": completion.finish_reason,
-                               "usage": usage(len(request.prompt_token_ids), completion.num_tokens)}
-                    elif content:
-                        yield {"content": content, "finish_reason": None}
-            finally:
-                if not completion.engine_finished:  # cancelled, disconnected or cut by a stop string: free its blocks
-                    self.worker.abort(request_id)
+            async for chunk in self.replies.stream(self.worker, request, request_id, log):
+                yield chunk
 
     async def tokenize(self, data):
         """Token ids of each input string; longer than the model's embedding limit is an error unless
@@ -165,40 +149,7 @@ class Service:
         loop = asyncio.get_running_loop()
         if self._engine_report is None or self._engine_report.get_loop() is not loop:
             self._engine_report = loop.create_task(
-                report_engine(self.worker.stats, lambda: self.generated_tokens, self._engine_log_interval))
-
-
-class Completion:
-    """One request's generated text, from the engine's outputs: finish reason, stop strings, token count."""
-
-    def __init__(self, detokenizer: Detokenizer):
-        self.detokenizer = detokenizer
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.engine_finished = False  # the engine finished the request itself (nothing to abort)
-
-    def consume(self, output) -> str:
-        """The text one engine output adds; nothing once the completion has finished."""
-        if self.finish_reason is not None:
-            return ""
-        if output.finish_reason == "error":
-            self.engine_finished = True
-            raise RuntimeError(f"the engine failed on this request: {output.error}")
-        token_ids = output.new_token_ids
-        stop_token = output.finish_reason == "stop" and bool(token_ids)
-        pieces = []
-        for token_id in token_ids[:-1] if stop_token else token_ids:  # a stop token is not text
-            self.num_tokens += 1
-            pieces.append(self.detokenizer.add(token_id))
-            if self.detokenizer.stopped:
-                self.finish_reason = "stop"
-                return "".join(pieces)
-        if output.finish_reason is not None:
-            self.num_tokens += stop_token
-            self.engine_finished = True
-            self.finish_reason = output.finish_reason
-            pieces.append(self.detokenizer.flush())
-        return "".join(pieces)
+                report_engine(self.worker.stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
 
 
 def check_token_list(tokens, where: str) -> None:
@@ -214,8 +165,3 @@ def field(data, name: str):
     if data.get(name) is None:
         raise RequestError(f"{name} is required", param=name)
     return data[name]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -24,6 +24,7 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "silu_and_mul",
     "qkv_prologue",
     "gumbel_argmax",
+    "apply_token_bitmask",
 )
 __all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention"]
 
@@ -54,6 +55,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         silu_and_mul=triton_activation.silu_and_mul,
         qkv_prologue=triton_prologue.qkv_prologue,
         gumbel_argmax=triton_sampling.gumbel_argmax,
+        apply_token_bitmask=triton_sampling.apply_token_bitmask,
         fused_decode=triton_attention.qkv_decode_attention,
     )
     try:
@@ -200,3 +202,9 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
     softmax(logits / temperature); argmax(logits) where temperature is 0. The noise of a row is a function
     of its int64 seed alone (Philox on CUDA, a seeded torch generator on CPU)."""
     return _backend_of(logits).gumbel_argmax(logits, temperature, seeds)
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf for each token t that bitmask[i] does not allow. bitmask: int32
+    [len(rows), ceil(V / 32)], bit t % 32 of word t // 32 set where token t is allowed (xgrammar's layout)."""
+    _backend_of(logits).apply_token_bitmask(logits, bitmask, rows)

@@ -196,3 +196,11 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
     greedy = temperature == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None] + gumbel
     return torch.where(greedy[:, None], logits.float(), scaled).argmax(-1)
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is clear (xgrammar's layout:
+    int32 words, a set bit allows its token)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -51,3 +51,27 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         _gumbel_argmax_kernel[(num_rows,)](logits, logits.stride(0), temperature, seeds, out, vocab_size,
                                            BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)), num_warps=8)
     return out
+
+
+@triton.jit
+def _token_bitmask_kernel(logits_ptr, stride_row, bitmask_ptr, bitmask_stride, rows_ptr, vocab_size,
+                          BLOCK: tl.constexpr):
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < vocab_size
+    words = tl.load(bitmask_ptr + tl.program_id(0) * bitmask_stride + cols // 32, mask=inside, other=-1)
+    allowed = (words >> (cols % 32)) & 1
+    row = tl.load(rows_ptr + tl.program_id(0))
+    banned = tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + row * stride_row + cols, banned, mask=inside & (allowed == 0))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] (int32 [R, ceil(V / 32)]) is
+    clear; rows [R] int64. Only the disallowed entries are written."""
+    if logits.stride(1) != 1:
+        raise ValueError("apply_token_bitmask needs logits contiguous along the vocabulary")
+    vocab_size = logits.shape[1]
+    block = min(BLOCK, triton.next_power_of_2(vocab_size))
+    if len(rows):
+        _token_bitmask_kernel[(len(rows), triton.cdiv(vocab_size, block))](
+            logits, logits.stride(0), bitmask, bitmask.stride(0), rows, vocab_size, BLOCK=block)

@@ -88,12 +88,13 @@ def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
     assert (params.temperature, params.max_tokens) == (0, 3)
 
 
-def test_developer_messages_are_system_messages_and_every_openai_role_is_taken(model):
+def test_developer_messages_are_system_messages_and_the_plain_roles_are_taken(model):
+    """The tool role, which needs an assistant's tool call to answer, is tested with tools (test_output_plan.py, test_chat_features.py)."""
     developer = parse_chat_request({"messages": [{"role": "developer", "content": "Be brief."},
                                                  {"role": "user", "content": "hi"}]}, model)
     assert developer.prompt_token_ids == expected_prompt(
         model.tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
-    messages = [{"role": role, "content": role} for role in ("system", "user", "assistant", "tool", "user")]
+    messages = [{"role": role, "content": role} for role in ("system", "user", "assistant", "user")]
     request = parse_chat_request({"messages": messages}, model)
     assert request.prompt_token_ids == expected_prompt(model.tokenizer, messages)
 
@@ -160,7 +161,7 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
     ({**user("hi"), "max_tokens": True}, "max_tokens must be an integer"),
     ({**user("hi"), "max_completion_tokens": 1000},
      "max_completion_tokens: this model's maximum context length is 128"),
-    ({**user("hi"), "n": 2}, "only n=1 is supported"),
+    ({**user("hi"), "n": 17}, "n must be between 1 and 16"),
     ({**user("hi"), "stop": ["a", 1]}, "stop must be"),
     ({**user("hi"), "stop": [""]}, "stop must be"),
     ({**user("hi"), "stop": ["x"] * 17}, "at most 16 stop strings"),

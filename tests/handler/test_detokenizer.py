@@ -93,3 +93,13 @@ def test_held_back_text_is_flushed_when_no_stop_string_completes(smollm2_tokeniz
 def test_special_tokens_are_not_text(smollm2_tokenizer):
     ids = encode(smollm2_tokenizer, "Paris") + [smollm2_tokenizer.eos_token_id]
     assert "".join(stream(Detokenizer(smollm2_tokenizer.backend_tokenizer, []), ids)) == "Paris"
+
+
+def test_kept_special_tokens_decode_to_their_text(smollm2_tokenizer):
+    """A tool-call marker that the tokenizer makes a special token (Llama's <|python_tag|>, Mistral's
+    [TOOL_CALLS]) must reach the parser; other special tokens still decode to nothing."""
+    start, end = smollm2_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    ids = [start, *encode(smollm2_tokenizer, "call"), end]
+    kept = Detokenizer(smollm2_tokenizer.backend_tokenizer, [], kept_tokens={start: "<|im_start|>"})
+    assert "".join(stream(kept, ids)) == "<|im_start|>call"
+    assert "".join(stream(Detokenizer(smollm2_tokenizer.backend_tokenizer, []), ids)) == "call"

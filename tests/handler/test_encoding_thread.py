@@ -17,7 +17,7 @@ SLOW_S = 0.3
 @pytest.fixture
 def service(smollm2_path, smollm2_tokenizer):
     worker = SimpleNamespace(kind="decoder", eos_token_ids=(), max_model_len=2048, max_embedding_tokens=2048,
-                             model_dir=smollm2_path)
+                             model_dir=smollm2_path, vocab_size=len(smollm2_tokenizer))
     return Service(worker, smollm2_tokenizer, "smollm2")
 
 

@@ -11,6 +11,7 @@ Chat (`chat_completions`) picks its behaviour from the request's `model`:
   unavailable     raises RequestError("echo worker is unavailable", status=503, code="echo_unavailable")
   stall           sends nothing for an hour (its cleanup is recorded like slow's)
   crash           sends one chunk, then the whole process exits with code 3
+  features        two choices in the extended payloads of docs/chat-extensions.md (FEATURE_CHUNKS)
 `tokenize` maps each character to its code point; `embeddings` returns a 4-float vector per token list.
 `models` answers {"id": "echo-model"}; `stats` answers fixed engine numbers (ECHO_STATS).
 Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, refuse, teapot, slow, cleanups, big, silent_stream,
@@ -55,6 +56,23 @@ async def slow_stream(tag: str, count: int = 500, delay: float = 0.02):
         record_cleanup(f"{tag} {outcome}")
 
 
+HI_LOGPROBS = {"content": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105],
+                             "top_logprobs": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+                                              {"token": "Hello", "logprob": -1.5, "bytes": [72, 101, 108, 108, 111]}]}]}
+FEATURE_CHUNKS = [
+    {"index": 0, "content": "", "reasoning_content": "The user wants the weather.", "finish_reason": None},
+    {"index": 1, "content": "Hi", "logprobs": HI_LOGPROBS, "finish_reason": None},
+    {"index": 0, "content": "", "finish_reason": None, "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}]},
+    {"index": 0, "content": "", "finish_reason": None, "tool_calls": [
+        {"index": 0, "function": {"arguments": '{"city": '}}]},
+    {"index": 0, "content": "", "finish_reason": None, "choice_finish_reason": "tool_calls", "tool_calls": [
+        {"index": 0, "function": {"arguments": '"Paris"}'}}]},
+    {"index": 1, "content": "!", "finish_reason": "length",
+     "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}},
+]
+
+
 @daemon_protocol.handler("chat_completions")
 async def chat_completions(data):
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list) or not data["messages"]:
@@ -76,6 +94,10 @@ async def chat_completions(data):
         yield {"content": "bye", "finish_reason": None}
         await asyncio.sleep(0.05)
         os._exit(3)
+    if model == "features":
+        for chunk in FEATURE_CHUNKS:
+            yield chunk
+        return
     if model == "slow":
         async for i in slow_stream(last):
             yield {"content": f"{i} ", "finish_reason": None}

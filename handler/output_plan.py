@@ -1,0 +1,159 @@
+"""What a chat request asks of its reply beyond text, checked before the engine sees it: `n` choices,
+`logprobs`/`top_logprobs`, `logit_bias`, `response_format`, the tools (handler/tools.py), reasoning apart from
+the answer (handler/reasoning.py) and `stream_options`. Every problem is a RequestError naming the field.
+
+A grammar (a `response_format` schema, or a forced tool call) constrains the reply from its first token; the
+reply is then JSON and is not read for reasoning.
+"""
+from dataclasses import dataclass, field, replace
+
+import xgrammar
+
+from handler.chat import RequestError, integer, type_name
+from handler.reasoning import starts_in_reasoning, uses_think_tags
+from handler.tool_calls import tool_call_format
+from handler.tools import ToolPlan, parse_tools
+
+MAX_CHOICES = 16  # each choice is a sequence of its own in the engine
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100
+JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": True}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+STREAM_OPTIONS = ("include_usage",)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token (0: the chosen token's logprob only); None: no logprobs
+    logit_bias: dict[int, float] | None = None
+    grammar: xgrammar.CompiledGrammar | None = None  # each choice's reply follows it
+    tools: ToolPlan = field(default_factory=lambda: ToolPlan(None, None))
+    reasoning: bool | None = None  # None: no think tags to read; else whether the reply starts inside a block
+
+    @property
+    def sampling(self) -> dict:
+        """The SamplingParams fields this plan sets."""
+        return {"logprobs": self.logprobs, "logit_bias": self.logit_bias}
+
+
+def plan_output(data: dict, model) -> OutputPlan:
+    """Everything but reasoning, which needs the rendered prompt (with_prompt)."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if data.get(legacy) is not None:
+            raise RequestError(f"{legacy} is OpenAI's deprecated form of {current}, which this endpoint takes instead")
+    check_stream_options(data)
+    tools = parse_tools(data, tool_call_format(model.tokenizer.chat_template))
+    schema, where = response_schema(data.get("response_format")), "response_format"
+    if tools.schema is not None:
+        if schema is not None:
+            raise RequestError(f"response_format and tool_choice {data.get('tool_choice')!r} both constrain the reply: "
+                               "give one of them", param="response_format")
+        schema, where = tools.schema, "tools"
+    elif schema is not None and tools.style is not None:
+        raise RequestError("response_format: a JSON reply cannot also carry tool calls read from text; use "
+                           "tool_choice 'none', 'required' or a named function with it", param="response_format")
+    grammar = None
+    if schema is not None:
+        if model.grammars is None:
+            raise RequestError(f"{where}: this model cannot constrain its output (no grammar support)")
+        grammar = model.grammars.compile_json_schema(schema, where)
+    return OutputPlan(n=parse_n(data), logprobs=parse_logprobs(data), logit_bias=parse_logit_bias(data, model),
+                      grammar=grammar, tools=tools)
+
+
+def with_prompt(plan: OutputPlan, chat_template: str | None, prompt: str) -> OutputPlan:
+    """The plan with its reasoning state: replies read for think blocks are the free-text ones of think models."""
+    if plan.grammar is not None or not uses_think_tags(chat_template):
+        return plan
+    return replace(plan, reasoning=starts_in_reasoning(prompt))
+
+
+def parse_n(data: dict) -> int:
+    if data.get("n") is None:
+        return 1
+    n = integer(data, "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    return n
+
+
+def parse_logprobs(data: dict) -> int | None:
+    wanted = data.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    if data.get("top_logprobs") is None:
+        return 0 if wanted else None
+    top = integer(data, "top_logprobs")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+    if not wanted:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return top
+
+
+def parse_logit_bias(data: dict, model) -> dict[int, float] | None:
+    biases = data.get("logit_bias")
+    if biases is None:
+        return None
+    if not isinstance(biases, dict):
+        raise RequestError(f"logit_bias must be a map from token id to bias, got {type_name(biases)}",
+                           param="logit_bias")
+    parsed, vocab_size = {}, model.vocab_size or len(model.tokenizer)
+    for key, bias in biases.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else _token_id(key)
+        if token is None or not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                               param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or abs(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias[{key!r}] must be a number from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}, "
+                               f"got {bias!r}", param="logit_bias")
+        parsed[token] = float(bias)
+    return parsed or None
+
+
+def _token_id(key) -> int | None:
+    return int(key) if isinstance(key, str) and key.strip().isdigit() else None
+
+
+def response_schema(response_format) -> dict | None:
+    """The JSON schema a response_format asks the reply to follow; None for plain text. `strict` is accepted
+    either way: the schema is always enforced."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError(f"response_format must be a map whose type is one of {', '.join(RESPONSE_FORMATS)}, "
+                           f"got {response_format!r:.200}", param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError('response_format.json_schema must be a map: {"name": ..., "schema": {...}}',
+                           param="response_format")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError(f"response_format.json_schema.schema must be a JSON schema object, got {type_name(schema)}",
+                           param="response_format")
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise RequestError(f"response_format.json_schema.{key} must be a {kind.__name__}", param="response_format")
+    return schema
+
+
+def check_stream_options(data: dict) -> None:
+    options = data.get("stream_options")
+    if options is None:
+        return
+    if not data.get("stream"):
+        raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict):
+        raise RequestError(f"stream_options must be a map, got {type_name(options)}", param="stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise RequestError(f"stream_options.{key} is not supported (only {', '.join(STREAM_OPTIONS)})",
+                               param="stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"stream_options.{key} must be a boolean, got {value!r}", param="stream_options")
