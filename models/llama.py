@@ -266,8 +266,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, V] in the model's dtype for the hidden states of the N tokens that sample (None on
         tensor-parallel ranks other than 0: only rank 0 samples), soft-capped as cap * tanh(logits / cap) when
         the config sets final_logit_softcapping. The sampler reads them in float32 itself: a float32 copy of a
-        batch's logits costs more than the sampling that most batches do (0.12 ms at 256 rows of a 152k
-        vocabulary on an H100)."""
+        batch's logits costs more than the sampling that most batches do."""
         if self.lm_head is None:
             raise ValueError("this checkpoint has no LM head (a bare decoder); it can embed but not generate")
         logits = self.lm_head(hidden)
