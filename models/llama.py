@@ -2,7 +2,8 @@
 
 A family is a set of switches, each read from the config (tables below), and a mapping of its checkpoint
 names (models/loader.py):
-- Llama; Qwen2 (bias on q/k/v); Qwen3 (RMSNorm on each q/k head).
+- Llama; Mistral (a sliding window); Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), whose
+  use_sliding_window windows their upper layers.
 - Phi-3 / Phi-4: q|k|v and gate|up fused in the checkpoint (loaded as they are), rotary over part of each
   head and LongRoPE (models/rotary.py).
 - Gemma 3 text: (1 + w) RMSNorms, norms after attention and the MLP as well as before, q/k norms, the
@@ -52,6 +53,7 @@ ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = ("gemma3_text",)  # RMSNorm scales by (1 + w)
 POST_BLOCK_NORM_MODEL_TYPES = ("gemma3_text",)  # norms after attention and the MLP too (sandwich)
 SCALED_EMBEDDING_MODEL_TYPES = ("gemma3_text",)  # embeddings times sqrt(hidden_size)
 ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' config.layer_types we compute
 
 
 def _offset_weight_loader(offset: float, param: Tensor, loaded) -> None:
@@ -81,8 +83,15 @@ def norm_offset(config) -> float:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, layout: HeadLayout, quant: Fp8Format | None):
+    """window: the layer's sliding window (0: full attention). sinks: None, or one learned logit per query head of
+    this rank that joins the softmax's denominator (gpt-oss; a family with sinks sets it and loads it split by
+    heads like q)."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, layout: HeadLayout, quant: Fp8Format | None,
+                 window: int = 0):
         super().__init__()
+        self.window = window
+        self.sinks: nn.Parameter | None = None
         head_dim = layout.head_dim
         self.layout, self.head_dim = layout, layout.padded
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
@@ -109,11 +118,12 @@ class Attention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if self.k_cache is not None and meta.block_tables is not None:
             out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
-                                      self.k_cache, self.v_cache, meta, self.scale)
+                                      self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks)
         else:
             q, k, v = qkv_prologue(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
                                    self.k_cache, self.v_cache, meta.slot_mapping)
-            out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True)
+            out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True,
+                                   window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     @torch.no_grad()
@@ -163,11 +173,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, layout: HeadLayout, quant: Fp8Format | None):
+    def __init__(self, config, rotary: RotaryEmbedding, layout: HeadLayout, quant: Fp8Format | None,
+                 window: int = 0):
         super().__init__()
         eps, offset = config.rms_norm_eps, norm_offset(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
-        self.self_attn = Attention(config, rotary, layout, quant)
+        self.self_attn = Attention(config, rotary, layout, quant, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.mlp = MLP(config, quant)
         self.post_block_norms = config.model_type in POST_BLOCK_NORM_MODEL_TYPES
@@ -205,7 +216,8 @@ class LlamaModel(nn.Module):
         self.embed_scale = None
         if config.model_type in SCALED_EMBEDDING_MODEL_TYPES:  # rounded to the model's dtype, as transformers does
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
-        self.layers = nn.ModuleList(DecoderLayer(config, rotaries[kind], layout, quant) for kind in types)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotaries[kind], layout, quant, window)
+                                    for kind, window in zip(types, layer_windows(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_offset(config))
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -248,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size()  # this rank's
         layout = layout_of(config)
         self.head_dim = layout.padded
+        self.kv_window = kv_window(layer_windows(config))
         max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.model = LlamaModel(config, layout, max_model_len, quant)
         self.tie_word_embeddings = with_lm_head and bool(getattr(config, "tie_word_embeddings", False))
@@ -312,19 +325,43 @@ def layout_of(config) -> HeadLayout:
 
 
 def layer_types(config) -> list[str]:
-    """Each layer's kind ("full_attention", "sliding_attention"): Gemma 3 interleaves them, others are full."""
+    """Each layer's kind ("full_attention", "sliding_attention"): what picks its rope settings (Gemma 3's
+    differ) and its window."""
     types = getattr(config, "layer_types", None)
     if types is None:
         return ["full_attention"] * config.num_hidden_layers
     return list(types)
 
 
+def layer_windows(config) -> list[int]:
+    """Each layer's sliding window (0: full attention) as transformers reads the config: with layer_types
+    (Qwen2/Qwen3 from use_sliding_window and max_window_layers, Gemma 3, gpt-oss), the "sliding_attention"
+    layers have config.sliding_window; without (Mistral, Phi-3), every layer has it, when it is set."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if layer_type == "sliding_attention" else 0 for layer_type in layer_types]
+
+
+def kv_window(windows: list[int]) -> int:
+    """The window beyond which no layer reads a key (0 when some layer attends to everything): KV blocks wholly
+    before a request's last kv_window positions are never read again."""
+    return 0 if not windows or 0 in windows else max(windows)
+
+
 def check_supported(hf_config) -> None:
     """Refuse configs this module would compute wrongly (rope types, activations and FP8 formats are checked
     where used)."""
     config = hf_config.get_text_config()
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown or len(layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types {unknown or layer_types} are not supported: each of the "
+                             f"{config.num_hidden_layers} layers must be one of {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=true (an encoder, not a causal decoder) is not supported")
     if getattr(config, "attn_logit_softcapping", None):

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-# Architectures with an LM head (all served by models/llama.py; a multimodal checkpoint's text decoder
-# alone), and bare decoders (no head: embedding models saved as the base model).
-DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
-            "Gemma3ForConditionalGeneration")
-BARE_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
+# Architectures with an LM head (all served by models/llama.py; of a multimodal checkpoint, its text decoder),
+# and bare decoders (no head: embedding models saved as the base model).
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
 

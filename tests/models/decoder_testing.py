@@ -1,7 +1,7 @@
 """Tiny random decoders saved as transformers checkpoints, and helpers to drive our models step by step."""
 
 import torch
-from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from kernels import AttentionMetadata
 from random_decoders import save_random_decoder
@@ -28,6 +28,14 @@ CONFIGS = {
     ),
     "qwen3": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"]
+    ),
+    # Windows shorter than the tests' prompts: every layer (Mistral), the layers from max_window_layers (Qwen2).
+    "mistral-window": lambda: MistralConfig(
+        **COMMON, num_key_value_heads=2, sliding_window=5, architectures=["MistralForCausalLM"]
+    ),
+    "qwen2-window": lambda: Qwen2Config(
+        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+        architectures=["Qwen2ForCausalLM"]
     ),
     # Heads of 24 dimensions (padded to 32), 12 of them rotated; LongRoPE's short factors (the sequences fit
     # the original context) with its attention factor from `factor`.
