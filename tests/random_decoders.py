@@ -1,8 +1,25 @@
-"""Tiny random decoders saved as transformers checkpoints, shared by the test folders (tests/ is on the import
-path: its conftest.py puts it there)."""
+"""Tiny random decoders saved as transformers checkpoints (FP8 ones too) and transformers' greedy output on
+them, shared by the test folders (tests/ is on the import path: its conftest.py puts it there)."""
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
+
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None)  # the engine tests' decoders
+
+
+class Reference:
+    """A saved tiny model plus the transformers module that greedy outputs are compared against."""
+
+    def __init__(self, path, hf_model):
+        self.path, self.hf_model = path, hf_model
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        out = self.hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
 
 
 def save_random_decoder(config: PretrainedConfig, path, random_biases_and_norms: bool = True, **save_kwargs):
