@@ -1,13 +1,14 @@
 """Greedy decoding through engine.LLM equals transformers' token for token on tiny random models of the
 families beyond Llama/Qwen: Phi-3 (partial rotary on heads padded to a power of two, LongRoPE with its short
-and its long factors) and FP8 checkpoints (block-wise and compressed-tensors per channel, compared with
-transformers on the dequantized weights), each with whole prompts, chunked prefill and a KV pool so small
-that requests are preempted."""
+and its long factors), Gemma 3 (local layers with a window shorter than the prompts around a global one; also
+as the text decoder of a multimodal checkpoint) and FP8 checkpoints (block-wise and compressed-tensors per
+channel, compared with transformers on the dequantized weights), each with whole prompts, chunked prefill and
+a KV pool so small that requests are preempted."""
 from dataclasses import dataclass, field
 
 import pytest
 from random_decoders import TINY, Reference, save_fp8_decoder, save_random_decoder
-from transformers import LlamaConfig, Phi3Config, Qwen3Config
+from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config, SiglipVisionConfig
 
 from engine import LLM, SamplingParams
 
@@ -21,6 +22,19 @@ def phi3(original_context: int):
                       original_max_position_embeddings=original_context, tie_word_embeddings=False,
                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
                                     "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
+
+
+def gemma3(**overrides):
+    return Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=32, sliding_window=16,
+                            sliding_window_pattern=2, query_pre_attn_scalar=24, rope_theta=1000.0,
+                            rope_local_base_freq=50.0, **overrides)
+
+
+def gemma3_multimodal():
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    return Gemma3Config(text_config=gemma3().to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 @dataclass
@@ -37,6 +51,8 @@ FAMILIES = {
     # max_model_len within the original context: the short factors, as transformers uses for such lengths.
     "phi3-longrope-short": Family(lambda path: save_random_decoder(phi3(64), path), [3, 17, 30],
                                   {"max_model_len": 64}),
+    "gemma3": Family(lambda path: save_random_decoder(gemma3(), path), [3, 17, 33, 50]),
+    "gemma3-multimodal": Family(lambda path: save_random_decoder(gemma3_multimodal(), path), [3, 17, 33, 50]),
     "llama-fp8-block": Family(lambda path: save_fp8_decoder(
         LlamaConfig(**TINY, tie_word_embeddings=False), path, "fp8-block"), [3, 17, 33, 50]),
     "qwen3-fp8-compressed": Family(lambda path: save_fp8_decoder(
