@@ -34,11 +34,12 @@ def test_varlen_batch_matches_transformers(checkpoint):
     loaded = load_model(str(path), torch.float32, CPU)
     assert loaded.kind == "decoder" and loaded.model_dir == str(path)
     lengths = [7, 1, 13, 4]
-    prompts = random_prompts(lengths, reference.config.get_text_config().vocab_size)
+    vocab_size = reference.config.get_text_config().vocab_size
+    prompts = random_prompts(lengths, vocab_size)
     positions = torch.cat([torch.arange(n) for n in lengths])
     hidden = loaded.model(torch.cat(prompts), positions, varlen_metadata(lengths))
     logits = loaded.model.compute_logits(hidden)
-    assert logits.dtype == torch.float32 and logits.shape == (sum(lengths), reference.config.get_text_config().vocab_size)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(lengths), vocab_size)
     expected = torch.cat([reference_logits(reference, p) for p in prompts])
     torch.testing.assert_close(logits, expected, **TOLERANCE)
 
