@@ -46,19 +46,27 @@ def dequantized(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, in
     return values.float() * full
 
 
+def compressed_tensors(strategy: str, input_activations: dict | None) -> dict:
+    """A compressed-tensors quantization_config with FP8 weights scaled per `strategy`."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": input_activations,
+                "weights": {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True,
+                            "dynamic": False}}}}
+
+
 FP8_FORMATS = {
-    # name: (quantization_config, scale tensor name, block of the scales given the weight's shape)
+    # name: (quantization_config, scale tensor name, block of the scales given the weight's shape, the scale
+    # tensor's shape given the scales per block)
     "fp8-block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                   "weight_block_size": [32, 32]}, "weight_scale_inv", lambda n, k: (32, 32)),
-    "compressed-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized",
-                            "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
-                            "config_groups": {"group_0": {
-                                "targets": ["Linear"],
-                                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
-                                            "dynamic": False},
-                                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
-                                                      "symmetric": True, "dynamic": True}}}},
-                           "weight_scale", lambda n, k: (1, k)),
+                   "weight_block_size": [32, 32]}, "weight_scale_inv", lambda n, k: (32, 32), lambda s: s),
+    "compressed-channel": (compressed_tensors("channel", {"type": "float", "num_bits": 8, "strategy": "token",
+                                                         "symmetric": True, "dynamic": True}),
+                           "weight_scale", lambda n, k: (1, k), lambda s: s.view(-1, 1)),
+    # One scale per tensor (each part of a fused projection its own), static activation scales (not used).
+    "compressed-tensor": (compressed_tensors("tensor", {"type": "float", "num_bits": 8, "strategy": "tensor",
+                                                       "symmetric": True, "dynamic": False}),
+                          "weight_scale", lambda n, k: (n, k), lambda s: s.view(1)),
 }
 
 
@@ -69,7 +77,7 @@ def save_fp8_decoder(config: PretrainedConfig, path, fmt: str, block: tuple[int,
     (FP8_FORMATS; block overrides fp8-block's weight_block_size), with the config's quantization_config.
     Modules named in `unquantized` stay in float32 and are listed as not converted. Returns the transformers
     model holding the dequantized weights, the reference the FP8 checkpoint should decode like."""
-    quantization, scale_name, block_of = FP8_FORMATS[fmt]
+    quantization, scale_name, block_of, scale_shape = FP8_FORMATS[fmt]
     quantization = dict(quantization)
     if block is not None:
         quantization["weight_block_size"] = list(block)
@@ -83,7 +91,9 @@ def save_fp8_decoder(config: PretrainedConfig, path, fmt: str, block: tuple[int,
         if ".layers." in name and name.endswith("proj.weight") and module not in unquantized:
             values, scales = quantize_fp8(param, block_of(*param.shape))
             param.copy_(dequantized(values, scales, block_of(*param.shape)))
-            tensors[f"{module}.{scale_name}"] = scales if fmt.startswith("fp8") else scales.view(-1, 1)
+            tensors[f"{module}.{scale_name}"] = scale_shape(scales)
+            if fmt == "compressed-tensor":
+                tensors[f"{module}.input_scale"] = torch.ones(1)
             param = values
         tensors[name] = param.contiguous()
     if model.config.tie_word_embeddings:

@@ -1,6 +1,6 @@
-"""FP8 checkpoints (block-wise "fp8" and compressed-tensors per-channel) made here from tiny random models:
-dequantized at load off Hopper, they compute what transformers computes on the dequantized weights; on the
-FP8-GEMM path (forced here, run by the torch reference kernel) the weights keep their values and scales.
+"""FP8 checkpoints (block-wise "fp8", compressed-tensors per channel and per tensor) made here from tiny random
+models: dequantized at load off Hopper, they compute what transformers computes on the dequantized weights; on
+the FP8-GEMM path (forced here, run by the torch reference kernel) the weights keep their values and scales.
 Bad formats, tensor-parallel sizes that split blocks, and weights that are not what the config says are
 named."""
 import pytest
@@ -21,6 +21,7 @@ CHECKPOINTS = {  # name: (config, format, block overriding the format's)
     "llama-block": ("llama-gqa", "fp8-block", None),
     "llama-unaligned-blocks": ("llama-gqa", "fp8-block", (48, 32)),  # q|k|v parts straddle blocks
     "qwen3-channel": ("qwen3", "compressed-channel", None),
+    "qwen2-tensor": ("qwen2", "compressed-tensor", None),  # q/k/v biases; a scale per tensor and input_scale
     "phi3-fused-block": ("phi3-longrope", "fp8-block", None),  # fused qkv_proj, padded heads
 }
 
