@@ -135,23 +135,28 @@ def runs_fp8_gemms(device: torch.device) -> bool:
 def finish_fp8(layer) -> None:
     """Turn a loaded layer's FP8 weight and per-row scales [N, G] into what its forward uses: a dequantized
     weight (scale_block None), or FP8 with the scales its GEMM reads (layer.scale_block = rows and columns
-    of weight per scale)."""
+    of weight per scale). The Triton kernel takes where torch._scaled_mm cannot (see _scaled_mm_takes); a
+    checkpoint whose scale blocks split the kernel's 128-column tiles is dequantized."""
     weight, scale, fmt = layer.weight.data, layer.weight_scale.data, layer.quant
     block_cols = fmt.block[1] if fmt.block else weight.shape[1]
-    use_triton = fmt.method == "triton" or layer.dtype != torch.bfloat16 or weight.shape[0] % 16 or weight.shape[1] % 16
-    fits_triton = block_cols % TRITON_GROUP_K == 0 or block_cols >= weight.shape[1]
-    if not runs_fp8_gemms(weight.device) or (use_triton and not fits_triton):
+    method = fmt.method if _scaled_mm_takes(layer) else "triton"
+    triton_fits = block_cols % TRITON_GROUP_K == 0 or block_cols >= weight.shape[1]
+    if not runs_fp8_gemms(weight.device) or (method == "triton" and not triton_fits):
         layer.dequantize_weight()
         return
-    if use_triton:
-        layer.fp8_method = "triton"
+    layer.fp8_method = method
+    if method == "triton":
         layer.set_fp8_weight(weight, *_compact_block_rows(scale, fmt, block_cols))
-        return
-    layer.fp8_method = "scaled_mm"
-    if scale.shape[1] == 1:
+    elif scale.shape[1] == 1:
         layer.set_fp8_weight(weight, scale, (1, weight.shape[1]))
     else:
         layer.set_fp8_weight(*requantize_rows(weight, scale, block_cols), (1, weight.shape[1]))
+
+
+def _scaled_mm_takes(layer) -> bool:
+    """torch._scaled_mm's row-wise mode writes bfloat16 only, for N and K multiples of 16."""
+    rows, cols = layer.weight.shape
+    return layer.dtype == torch.bfloat16 and rows % 16 == 0 and cols % 16 == 0
 
 
 def _compact_block_rows(scale: Tensor, fmt: Fp8Format, block_cols: int) -> tuple[Tensor, tuple[int, int]]:
