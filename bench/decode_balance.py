@@ -44,7 +44,7 @@ def main():
                     lambda: triton_attention.decode_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, splits),
                     warmup=20, rep=100, return_mode="median")
                 kv_bytes = 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM * 2
-                print(f"{batch:5d} {kind:8} {str(splits or 'auto'):>6} {ms * 1e3:8.1f} {kv_bytes / ms / 1e9:6.2f}",
+                print(f"{batch:5d} {kind:8} {splits or 'auto'!s:>6} {ms * 1e3:8.1f} {kv_bytes / ms / 1e9:6.2f}",
                       flush=True)
 
 

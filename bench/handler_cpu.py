@@ -29,7 +29,8 @@ from handler.model_source import packaged_model_path  # noqa: E402
 def start_service() -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "MODEL_ID": packaged_model_path(), "HFENDPOINT_DEVICE": "cpu",
            "HFENDPOINT_REPOSITORY_DIR": "/nonexistent"}
-    command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--", sys.executable, "-m", "handler"]
+    command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--",
+               sys.executable, "-m", "handler"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         sys.stderr.write(line)

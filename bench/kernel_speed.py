@@ -13,7 +13,6 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-
 PEAK_BYTES_PER_S = 3.0e12
 DTYPE = torch.bfloat16
 QWEN3 = dict(num_q_heads=16, num_kv_heads=8, head_dim=128, hidden=1024, intermediate=3072)

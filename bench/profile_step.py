@@ -87,13 +87,17 @@ def main():
         for overlap in (False, True):
             core.overlap = overlap
             walls[overlap] = wall_ms(core.step)
+        replay_ms = gpu_ms(runner.graphs.captured[shape].replay)
         print(f"\n== decode batch {batch} (graph {shape.num_rows}): step wall {walls[False]:.3f} ms synchronous, "
-              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs.captured[shape].replay):.3f} ms")
+              f"{walls[True]:.3f} ms overlapped; graph replay GPU {replay_ms:.3f} ms")
         print(top_kernels(lambda: [core.step() for _ in range(5)], args.rows, steps=5))
         for seq in seqs:
             core.abort(seq)
     prompt = random_prompt(1024)
-    prefill = lambda: run_to_first_token(core, [prompt[:1] + random_prompt(1023)], max_tokens=1)
+
+    def prefill():
+        return run_to_first_token(core, [prompt[:1] + random_prompt(1023)], max_tokens=1)
+
     shape = runner.graphs.shape_for([1024])
     print(f"\n== prefill 1x1024 ({f'graph of {shape.num_tokens} tokens' if shape else 'eager'}): "
           f"wall {wall_ms(prefill, 5):.3f} ms (GPU time: the profile's CUDA total)")
@@ -111,7 +115,10 @@ def profile_prefill(core, num_tokens: int, rows: int) -> None:
         if total == num_tokens:
             break
     core.block_manager.reset_prefix_cache()
-    prefill = lambda: run_to_first_token(core, [[randint(0, 10000)] + p[1:] for p in prompts], 1)  # no prefix hits
+
+    def prefill():  # a random first token: no prefix hits
+        return run_to_first_token(core, [[randint(0, 10000)] + p[1:] for p in prompts], 1)
+
     print(f"\n== prefill step of {len(prompts)} prompts, {num_tokens} tokens: wall {wall_ms(prefill, 3):.3f} ms")
     print(top_kernels(prefill, rows))
 

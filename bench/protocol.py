@@ -104,9 +104,13 @@ def run_scenario(sock: socket.socket, pid: int, mode: str, streams: int, chunks:
     cpu = cpu_seconds(pid)
     assert received == streams * chunks, (received, streams * chunks)
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] / 1e6
+
+    def pick(q):
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] / 1e6
+
     per_cpu_second = received / (cpu - cpu_start) if cpu is not None and cpu > cpu_start else float("nan")
-    return received / elapsed, per_cpu_second, cpu - cpu_start if cpu is not None else float("nan"), pick(0.5), pick(0.99)
+    cpu_used = cpu - cpu_start if cpu is not None else float("nan")
+    return received / elapsed, per_cpu_second, cpu_used, pick(0.5), pick(0.99)
 
 
 def main() -> None:
@@ -129,7 +133,8 @@ def main() -> None:
     proc, sock = spawn_handler(core)
     try:
         print(f"handler pinned to core {core}; {args.streams} concurrent streams")
-        print(f"{'scenario':<8} {'chunks':>9} {'chunks/s':>11} {'chunks/cpu-s':>13} {'cpu s':>6} {'p50 ms':>8} {'p99 ms':>8}")
+        print(f"{'scenario':<8} {'chunks':>9} {'chunks/s':>11} {'chunks/cpu-s':>13} {'cpu s':>6} {'p50 ms':>8} "
+              f"{'p99 ms':>8}")
         next_id = 1
         for mode, chunks in (("tight", args.chunks), ("step", args.chunks), ("paced", args.paced_chunks)):
             results = []
@@ -137,7 +142,8 @@ def main() -> None:
                 results.append(run_scenario(sock, proc.pid, mode, args.streams, chunks, next_id))
                 next_id += args.streams
             rate, per_cpu, cpu, p50, p99 = max(results)
-            print(f"{mode:<8} {args.streams * chunks:>9} {rate:>11,.0f} {per_cpu:>13,.0f} {cpu:>6.2f} {p50:>8.2f} {p99:>8.2f}")
+            print(f"{mode:<8} {args.streams * chunks:>9} {rate:>11,.0f} {per_cpu:>13,.0f} {cpu:>6.2f} {p50:>8.2f} "
+                  f"{p99:>8.2f}")
     finally:
         sock.close()
         proc.wait(timeout=30)

@@ -124,7 +124,8 @@ def dump(obj, path) -> str:
 
 def compare(name, greedy, records, ref_greedy, ref_records, num_blocks) -> tuple:
     same_seqs = sum(a == b for a, b in zip(greedy, ref_greedy))
-    first_split = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(greedy, ref_greedy)]
+    first_split = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+                   for a, b in zip(greedy, ref_greedy)]
     keys = sorted(ref_records)
     agree = torch.tensor([records[k][0] == ref_greedy[k[0]][k[1]] for k in keys])
     decided = torch.tensor([ref_records[k][1] > MARGIN for k in keys])

@@ -1,4 +1,4 @@
-"""The daemon protocol: MessagePack requests in, reply chunks out (see protocol.md).
+"""The daemon protocol: MessagePack requests in, reply chunks out (see docs/protocol.md).
 
     import daemon_protocol
 

@@ -181,7 +181,8 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
                 delta = {"content": payload.get("content") or ""}
                 if response is None:
                     delta = {"role": "assistant", **delta}
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
                     await response.prepare(request)
                 usage = payload.get("usage") or usage
                 choice = {"index": 0, "delta": delta, "finish_reason": payload.get("finish_reason"), "logprobs": None}

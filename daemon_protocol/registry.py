@@ -1,6 +1,7 @@
 """The handler registry: request names mapped to the functions that serve them."""
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 STREAM = "stream"        # async generator function: one reply chunk per yielded item
 COROUTINE = "coroutine"  # async function: one reply with its return value

@@ -1,6 +1,6 @@
 """The request loop: decode requests from the daemon, run one task per request, send replies.
 
-Failure rules (protocol.md section 7): unknown names and handler exceptions get error replies;
+Failure rules (docs/protocol.md section 7): unknown names and handler exceptions get error replies;
 objects that are not request maps are logged and skipped; bytes that are not MessagePack fail every
 request in flight and end the session with exit code 1; EOF cancels what is in flight (exit code 0).
 """
@@ -95,7 +95,8 @@ class Session(asyncio.Protocol):
             error(f"skipping request {request_id}: a request with that id is still in flight")
             return
         if type(name) is not str:
-            self._writer.send_error(request_id, f"request has no handler name: 'name' must be a string, got {_preview(name)}")
+            self._writer.send_error(request_id,
+                                    f"request has no handler name: 'name' must be a string, got {_preview(name)}")
             return
         entry = self._registry.get(name)
         if entry is None:

@@ -10,8 +10,8 @@ import asyncio
 import os
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from .log import error
 from .session import Session
@@ -41,7 +41,8 @@ def parse_transport(text: str) -> TransportSpec:
         return TransportSpec("fd", int(address))
     if kind in ("unix-listen", "unix-connect") and address:
         return TransportSpec(kind, address)
-    raise TransportError(f"unknown transport {text!r}: expected 'fd:N', 'stdio', 'unix-listen:PATH' or 'unix-connect:PATH'")
+    raise TransportError(f"unknown transport {text!r}: expected 'fd:N', 'stdio', 'unix-listen:PATH' or "
+                         "'unix-connect:PATH'")
 
 
 def transport_from_env(env=os.environ) -> TransportSpec:
@@ -125,7 +126,8 @@ async def _open_stdio(loop, session: Session, writer: ReplyWriter) -> Closer:
     write_transport, _ = await loop.connect_write_pipe(lambda: _WritePipeSide(writer),
                                                        os.fdopen(reply_fd, "wb", buffering=0))
     writer.attach(write_transport)
-    read_transport, _ = await loop.connect_read_pipe(lambda: session, os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0))
+    stdin = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+    read_transport, _ = await loop.connect_read_pipe(lambda: session, stdin)
 
     async def close() -> None:
         read_transport.close()

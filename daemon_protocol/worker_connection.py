@@ -82,7 +82,7 @@ class WorkerConnection:
         return self.closed is None or self.closed.done()
 
     async def start(self) -> None:
-        """Spawn the worker on the child end of a socketpair (protocol.md section 1)."""
+        """Spawn the worker on the child end of a socketpair (docs/protocol.md section 1)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for sock in (parent, child):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)

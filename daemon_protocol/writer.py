@@ -18,7 +18,8 @@ def _encode_unknown(obj):
     """Let array-likes (numpy, torch on CPU) through as lists; anything else is a handler bug."""
     tolist = getattr(obj, "tolist", None)
     if tolist is None:
-        raise TypeError(f"cannot encode {type(obj).__name__} in a reply: use dict, list, str, bytes, int, float, bool or None")
+        raise TypeError(f"cannot encode {type(obj).__name__} in a reply: use dict, list, str, bytes, int, float, bool "
+                        "or None")
     return tolist()
 
 

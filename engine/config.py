@@ -8,7 +8,13 @@ import torch
 from models.fp8 import FP8_GEMMS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def default_cache_dir() -> str:
+    """The user's cache folder ($XDG_CACHE_HOME, else ~/.cache), nanovllm-endpoint inside it."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.expanduser("~/.cache"),
+                        "nanovllm-endpoint")
 
 
 @dataclass
@@ -27,6 +33,7 @@ class EngineConfig:
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
+    cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
     fp8_gemm: str = "triton"            # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
 
     def __post_init__(self):
@@ -46,6 +53,8 @@ class EngineConfig:
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
+        _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
+        self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
         _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
@@ -94,6 +103,7 @@ ENV_NAMES = {
     "device": "HFENDPOINT_DEVICE",
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
+    "cache_dir": "HFENDPOINT_CACHE_DIR",
     "fp8_gemm": "HFENDPOINT_FP8_GEMM",
 }
 
@@ -103,12 +113,19 @@ def _check(name: str, ok: bool, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}")
 
 
+def parse_bool(raw: str) -> bool:
+    """A boolean as the environment spells it (1/true/yes/on, 0/false/no/off or empty, any case); ValueError
+    for anything else."""
+    word = raw.strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"expected a boolean ({'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS[:-1])})")
+    return word in TRUE_WORDS
+
+
 def _parse(name: str, raw: str):
     default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}[name]
     if isinstance(default, bool):
-        if raw.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE[:-1])})")
-        return raw.lower() in _TRUE
+        return parse_bool(raw)
     if isinstance(default, float):
         try:
             return float(raw)

@@ -1,8 +1,6 @@
 """The engine both front ends drive, the Worker on its thread and LLM on the caller's thread: requests in
 (add, abort), steps (step), embeddings (embed) and counters (stats)."""
-import json
 import logging
-import os
 
 from torch import Tensor
 
@@ -13,6 +11,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tensor_parallel import TensorParallelRanks
+from models.model_files import read_generation_config
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class EngineCore:
             if self.overlap and launched.plannable:
                 self.in_flight = self._launch_next(launched)
             sampled = self.runner.finish(launched)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+        except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             failed = [seq for seq in seqs if not seq.is_finished]
@@ -117,15 +116,8 @@ class EngineCore:
 def eos_token_ids(loaded) -> tuple[int, ...]:
     """End-of-sequence ids from the model's config and its generation_config.json (each an int or a list)."""
     found = []
-    for source in (getattr(loaded.hf_config, "eos_token_id", None), _generation_config_eos(loaded.model_dir)):
+    generation_config = read_generation_config(loaded.model_dir)
+    for source in (getattr(loaded.hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
         if source is not None:
             found.extend(source if isinstance(source, (list, tuple)) else [source])
     return tuple(dict.fromkeys(int(token) for token in found))
-
-
-def _generation_config_eos(model_dir: str):
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("eos_token_id")

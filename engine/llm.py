@@ -1,16 +1,13 @@
 """Offline batch generation on the caller's thread, like Nano-vLLM's LLM."""
-import os
 import sys
 import time
-
-from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import load_on_all_ranks
+from models.model_files import load_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Offline batches care for throughput only: prefill steps of twice the online budget (as vLLM's offline LLM
 # takes) halve their count and host work. The handler keeps the smaller default, which bounds how long a
 # prefill step holds up the streams that are decoding.
@@ -25,7 +22,7 @@ class LLM:
         if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
             raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
         self.core = EngineCore(self.config, loaded, self.ranks)
-        self.tokenizer = load_tokenizer(loaded.model_dir)
+        self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (with one rank there is nothing to stop)."""
@@ -67,9 +64,3 @@ class LLM:
             raise ValueError(f"{self.config.model} has no tokenizer: pass prompts as token-id lists")
         return self.tokenizer.encode(prompt)
 
-
-def load_tokenizer(model_dir: str):
-    """The tokenizer in a model directory (for a .gguf file, the one its metadata was converted into), or None."""
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(model_dir)

@@ -168,7 +168,7 @@ class Worker:
                 jobs = self._take_embed_jobs()
             try:
                 self._iteration(new, aborts, jobs)
-            except Exception as exc:  # noqa: BLE001 - a bug in one iteration fails its requests, not the process
+            except Exception as exc:  # a bug in one iteration fails its requests, not the process
                 log.exception("engine iteration failed")
                 self._fail_everything(f"{type(exc).__name__}: {exc}")
                 for job in jobs:  # embedding calls this iteration took and may not have answered

@@ -30,7 +30,7 @@ def main() -> int:
     daemon_protocol.error(f"handler: loading {name} ({model.path})")
     started = time.perf_counter()
     try:
-        tokenizer = load_tokenizer(model.path)
+        tokenizer = load_tokenizer(model.path, config.cache_dir)
         worker = Worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         daemon_protocol.error(f"handler: error: cannot load {model.path}: {type(exc).__name__}: {exc}")
@@ -51,7 +51,7 @@ def main() -> int:
 def exit_soon(reason: str) -> None:
     """The engine cannot go on (a tensor-parallel rank died). The Worker has failed the requests in flight;
     once their error replies are out, the process exits non-zero so that the daemon restarts or reports it
-    (protocol.md, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
+    (docs/protocol.md section 7, failure rules). os._exit: the engine thread may be stuck in a collective for good."""
     daemon_protocol.error(f"handler: error: {reason}; exiting")
     threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(1,)).start()
 

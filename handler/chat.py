@@ -6,13 +6,12 @@ request leaves out come from the model's generation_config.json, then from Sampl
 defaults to the rest of the context.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from engine import SamplingParams
+from models.model_files import read_generation_config
 
 MAX_STOP_STRINGS = 16  # each is checked against the held-back text after every token
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -179,12 +178,9 @@ def optional(fields: dict, name: str, kind: type, default):
     return value
 
 
-def sampling_defaults(model_path: str) -> dict:
-    """Sampling defaults from the model's generation_config.json (none for a .gguf file)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+def sampling_defaults(model_dir: str) -> dict:
+    """Sampling defaults from the model's generation_config.json."""
+    config = read_generation_config(model_dir)
     return {field: config[key] for key, field in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
 
 

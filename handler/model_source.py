@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import daemon_protocol
+from engine.config import parse_bool
 
 REPOSITORY_DIR = "/repository"
 DEFAULT_MODEL_ID = "Qwen/Qwen3-0.6B"
@@ -78,7 +79,10 @@ def download(repo_id: str, env) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        offline = parse_bool(env.get("HF_HUB_OFFLINE", ""))
+    except ValueError as exc:
+        raise ModelNotFound(f"HF_HUB_OFFLINE={env['HF_HUB_OFFLINE']!r} is invalid: {exc}") from None
     try:
         snapshot = snapshot_download(
             repo_id,

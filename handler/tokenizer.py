@@ -1,19 +1,14 @@
 """The model's tokenizer (from a model directory or a .gguf file) and the token ids embeddings are made of."""
 
-from pathlib import Path
+from transformers import PreTrainedTokenizerBase
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from models import model_files
 
 
-def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
-    path = Path(model_path)
-    if path.suffix == ".gguf":
-        from models.gguf_loader import gguf_model_dir
-
-        tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(model_path))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if not tokenizer.is_fast:
+def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's fast tokenizer (a .gguf file's converted under cache_dir, see models/model_files.py)."""
+    tokenizer = model_files.load_tokenizer(model_path, cache_dir)
+    if tokenizer is None or not tokenizer.is_fast:
         raise ValueError(f"{model_path} has no fast tokenizer (tokenizer.json); streaming detokenization needs one")
     return tokenizer
 

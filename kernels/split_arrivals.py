@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """The GPU's multiprocessors, which split counts are chosen to fill (4 for the interpreter on a CPU)."""
     if device.type == "cuda":

@@ -1,8 +1,9 @@
-"""Sampling in one pass over the logits, for batches that ask only for temperature (and greedy rows).
+"""Sampling in one pass over the logits: every token the engine draws (greedy rows take the argmax).
 
 Each row's token is argmax(logits / temperature + G) with G standard Gumbel noise, which draws from
-softmax(logits / temperature) exactly (the Gumbel-max trick); a row of temperature 0 takes argmax(logits).
-One program reads its row once and writes one id, where the torch path (softmax, noise, division, argmax)
+softmax(logits / temperature) exactly (the Gumbel-max trick); tokens whose logit is -inf (those top-k, top-p
+or min-p dropped) are never drawn, and the rest keep their odds. A row of temperature 0 takes argmax(logits).
+One program reads its row once and writes one id, where a torch path (softmax, noise, division, argmax)
 makes many passes over a [rows, vocab] float32 tensor.
 The noise is Philox keyed by one 64-bit seed per row and the token's column, so a row's draw depends only
 on its seed, never on the batch around it.

@@ -4,14 +4,12 @@ Sequences are concatenated into one [T] stream delimited by cu_seqlens, so no pa
 computed: attention runs per sequence through kernels.varlen_attention (causal=False).
 The layer is post-norm: x = LN(x + attn(x)); x = LN(x + mlp(x)), with Q, K and V fused in one matmul.
 """
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import varlen_attention
-from models.loader import iterate_safetensors, load_weights
+from models.loader import NameMap, iterate_safetensors, load_weights
 from models.parallel_layers import MergedColumnParallelLinear
 
 # RoBERTa-style models number positions from padding_idx + 1 (position padding_idx is reserved for pads).
@@ -109,45 +107,28 @@ def check_supported(config) -> None:
                          f"num_attention_heads {config.num_attention_heads}")
 
 
-# Checkpoint name -> (our parameter name, index of the Q/K/V shard in qkv_proj or None).
-_LAYER_NAMES = {
-    "attention.self.query": ("qkv_proj", 0),
-    "attention.self.key": ("qkv_proj", 1),
-    "attention.self.value": ("qkv_proj", 2),
-    "attention.output.dense": ("o_proj", None),
-    "attention.output.LayerNorm": ("attn_norm", None),
-    "intermediate.dense": ("up_proj", None),
-    "output.dense": ("down_proj", None),
-    "output.LayerNorm": ("mlp_norm", None),
-}
-_LAYER_PATTERN = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)$")
-# Heads and buffers that embedding inference does not use.
-_UNUSED = re.compile(r"^(pooler\.|cls\.|lm_head\.|classifier\.|embeddings\.(position_ids|token_type_ids)$)")
-_PREFIXES = ("bert.", "roberta.", "model.")
-_OLD_NORM_NAMES = {"gamma": "weight", "beta": "bias"}
-
-
-def _target(name: str) -> tuple[str, int | None] | None:
-    """Map a checkpoint tensor name to (parameter name, Q/K/V shard) or None if unused."""
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    if _UNUSED.match(name):
-        return None
-    match = _LAYER_PATTERN.match(name)
-    if match is None:
-        stem, _, leaf = name.rpartition(".")
-        return f"{stem}.{_OLD_NORM_NAMES.get(leaf, leaf)}", None
-    index, module, leaf = match.groups()
-    if module not in _LAYER_NAMES:
-        raise ValueError(f"unexpected BERT weight {name!r}")
-    ours, shard = _LAYER_NAMES[module]
-    return f"layers.{index}.{ours}.{_OLD_NORM_NAMES.get(leaf, leaf)}", shard
+# The checkpoint names of BERT, RoBERTa and XLM-R: the model's prefix dropped, encoder.layer.N renamed layers.N,
+# old norm names (gamma, beta) renamed, the heads and buffers embedding inference does not use skipped, and
+# each layer module renamed to ours (Q, K and V as the three slices of qkv_proj).
+NAMES = NameMap(
+    modules={
+        "attention.self.query": ("qkv_proj", 0),
+        "attention.self.key": ("qkv_proj", 1),
+        "attention.self.value": ("qkv_proj", 2),
+        "attention.output.dense": ("o_proj", None),
+        "attention.output.LayerNorm": ("attn_norm", None),
+        "intermediate.dense": ("up_proj", None),
+        "output.dense": ("down_proj", None),
+        "output.LayerNorm": ("mlp_norm", None),
+    },
+    rewrites=((r"^(bert|roberta|model)\.", ""), (r"^encoder\.layer\.", "layers."), (r"\.gamma$", ".weight"),
+              (r"\.beta$", ".bias")),
+    skip=r"^(pooler\.|cls\.|lm_head\.|classifier\.|embeddings\.(position_ids|token_type_ids)$)",
+)
 
 
 def load_bert(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device) -> BertModel:
     with torch.device(device):
         model = BertModel(hf_config)
-    load_weights(model, iterate_safetensors(model_dir, lazy=True), model_dir, target=_target)
+    load_weights(model, iterate_safetensors(model_dir, lazy=True), model_dir, NAMES)
     return model.to(dtype).eval()

@@ -2,12 +2,12 @@
 its weights dequantised tensor by tensor to transformers names.
 
 Parsing a GGUF's metadata is slow: gguf's GGUFReader walks the vocabulary and the merge table one element at a
-time, and transformers' AutoConfig and AutoTokenizer each parse the file
-again. So gguf_model_dir converts the metadata once into an ordinary model directory (config.json,
-generation_config.json, the fast tokenizer's files with the chat template), cached on disk under
-$HFENDPOINT_CACHE_DIR (default ~/.cache/nanovllm-endpoint) and reused while the file keeps its path, size and
-mtime. The weights stay in the .gguf: finding them needs only the tensor table (transformers' GgufHeader skips
-the vocabulary, so it is quick), and gguf.quants.dequantize materialises one float32 tensor at a time.
+time, and transformers' AutoConfig and AutoTokenizer each parse the file again. So gguf_model_dir converts the
+metadata once into an ordinary model directory (config.json, generation_config.json, the fast tokenizer's files
+with the chat template), cached on disk under the cache directory the caller gives (the engine's cache_dir,
+HFENDPOINT_CACHE_DIR) and reused while the file keeps its path, size and mtime. The weights stay in the .gguf:
+finding them needs only the tensor table (transformers' GgufHeader skips the vocabulary, so it is quick), and
+gguf.quants.dequantize materialises one float32 tensor at a time.
 """
 
 import contextlib
@@ -57,7 +57,6 @@ LAYER_NAMES = {
 IGNORED = ("rope_freqs",)
 LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
-CACHE_DIR_ENV = "HFENDPOINT_CACHE_DIR"
 # Written last into a converted directory: which file it was made from and a hash of every file in it.
 MANIFEST = "gguf_source.json"
 _build_lock = threading.Lock()  # one conversion at a time in this process (see transformers_parse_once)
@@ -82,15 +81,16 @@ class GgufSource(NamedTuple):
         return f"{stem}-{xxhash.xxh64_hexdigest(json.dumps(list(self)).encode())}"
 
 
-def gguf_model_dir(path: str) -> str:
+def gguf_model_dir(path: str, cache_dir: str | None = None) -> str:
     """A directory with config.json, generation_config.json and tokenizer files converted from the .gguf file,
     to load with AutoConfig / AutoTokenizer.from_pretrained(dir) like any model directory.
 
-    Built on first use (one metadata parse), then reused by every process until the file changes; a missing,
-    stale or damaged conversion is rebuilt. The weights are not in it: read them with iterate_gguf(path, ...).
+    Built on first use (one metadata parse) under cache_dir (or, when it is None or cannot be written, the
+    temp folder), then reused by every process until the file changes; a missing, stale or damaged conversion
+    is rebuilt. The weights are not in it: read them with iterate_gguf(path, ...).
     """
     source = GgufSource.of(path)
-    roots = (cache_root(), os.path.join(tempfile.gettempdir(), "nanovllm-endpoint"))  # the second if unwritable
+    roots = (*([cache_dir] if cache_dir else []), os.path.join(tempfile.gettempdir(), "nanovllm-endpoint"))
     for root in roots:
         directory = os.path.join(root, "gguf", source.cache_name)
         if is_converted(directory, source):
@@ -111,15 +111,7 @@ def gguf_model_dir(path: str) -> str:
                 raise
             return publish(staging, directory, source)
     raise OSError(f"cannot write the converted metadata of {path} under {' or '.join(roots)}; "
-                  f"set {CACHE_DIR_ENV} to a writable directory")
-
-
-def cache_root() -> str:
-    configured = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if configured:
-        return os.path.expanduser(configured)
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "nanovllm-endpoint")
+                  "set HFENDPOINT_CACHE_DIR to a writable directory")
 
 
 def ensure_dir(directory: str) -> str:

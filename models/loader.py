@@ -2,14 +2,15 @@
 
 Tensors are streamed one at a time (safetensors.safe_open), so loading never holds a whole file in memory.
 Each parameter's weight_loader (models/parallel_layers.py) copies its rank's part: for safetensors it gets a
-lazy slice, so a tensor-parallel rank reads only the rows it keeps.
+lazy slice, so a tensor-parallel rank reads only the rows it keeps. A NameMap says which of our parameters
+(and which slice of a fused one) each checkpoint name fills.
 """
 
-import functools
 import glob
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -17,19 +18,52 @@ from torch import Tensor, nn
 
 from models.parallel_layers import default_weight_loader
 
-# Checkpoint tensors that are buffers or duplicates, not parameters (static FP8 activation scales: our FP8
-# GEMMs scale activations per token as they go).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
-# The text decoder of a multimodal checkpoint (Gemma 3): its prefixes, in transformers 5's and 4's layouts,
-# become the decoder's; the vision tower and projector are skipped.
-PREFIX_RENAMES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
+
+class NameMap:
+    """From a checkpoint's tensor names to (our parameter name, slice index in a fused parameter or None), or
+    None for a tensor we do not load. A name is rewritten by `rewrites` ((pattern, replacement) pairs, each
+    applied in turn), skipped if `skip` matches it, and then, when its module path ends with a key of
+    `modules`, that ending is replaced by the module it goes into, with the slice it fills (longest key
+    first)."""
+
+    def __init__(self, modules: Mapping[str, tuple[str, int | None]], rewrites: tuple[tuple[str, str], ...] = (),
+                 skip: str | None = None):
+        self.modules = sorted(modules.items(), key=lambda item: -len(item[0]))
+        self.rewrites = [(re.compile(pattern), replacement) for pattern, replacement in rewrites]
+        self.skip = re.compile(skip) if skip else None
+
+    def __call__(self, name: str) -> tuple[str, int | None] | None:
+        for pattern, replacement in self.rewrites:
+            name = pattern.sub(replacement, name)
+        if self.skip and self.skip.search(name):
+            return None
+        module_path, _, leaf = name.rpartition(".")
+        for key, (ours, index) in self.modules:
+            if module_path == key or module_path.endswith("." + key):
+                return f"{module_path[:len(module_path) - len(key)]}{ours}.{leaf}", index
+        return name, None
+
+
+# Rewrites of the decoders' checkpoint names, in order: the text decoder of a multimodal checkpoint (Gemma 3, in
+# transformers 5's and 4's layouts) as a decoder's own; a bare decoder's names (saved without `model.`) with it;
+# fine-grained FP8's block scales as our weight_scale.
+DECODER_REWRITES = (
+    (r"^model\.language_model\.", "model."),
+    (r"^language_model\.model\.", "model."),
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^(?!model\.|lm_head\.)", "model."),
+    (r"\.weight_scale_inv$", ".weight_scale"),
 )
-SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-# Checkpoint parameter names that are ours under another name (fine-grained FP8's block scales).
-LEAF_RENAMES = {"weight_scale_inv": "weight_scale"}
+# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector, and
+# static FP8 activation scales (our FP8 GEMMs scale activations per token as they go).
+DECODER_SKIPPED = r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector)\.|\.input_scale$"
+
+
+def decoder_names(model: nn.Module) -> NameMap:
+    """The decoders' transformers names (see DECODER_REWRITES and DECODER_SKIPPED), and the LM head skipped when
+    it is tied to the embeddings."""
+    skip = DECODER_SKIPPED + (r"|^lm_head\.weight$" if model.tie_word_embeddings else "")
+    return NameMap(model.packed_modules, rewrites=DECODER_REWRITES, skip=skip)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -50,32 +84,12 @@ def iterate_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[st
     iteration has not moved on)."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() but cannot be iterated
                 yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def load_safetensors(model: nn.Module, model_dir: str) -> None:
     load_weights(model, iterate_safetensors(model_dir, lazy=True), source=model_dir)
-
-
-def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None] | None:
-    """(our parameter name, slice index in a fused module or None) for a checkpoint name; None to skip it."""
-    for prefix, ours in PREFIX_RENAMES:
-        if name.startswith(prefix):
-            name = ours + name[len(prefix):]
-    if name.endswith(IGNORED_SUFFIXES) or name.startswith(SKIPPED_PREFIXES) or (
-            name == "lm_head.weight" and model.tie_word_embeddings):
-        return None
-    if name not in params and not name.startswith(("model.", "lm_head.")):
-        name = "model." + name
-    module_path, _, leaf = name.rpartition(".")
-    leaf = LEAF_RENAMES.get(leaf, leaf)
-    name = f"{module_path}.{leaf}"
-    parent, _, module = module_path.rpartition(".")
-    if module in model.packed_modules:
-        fused, index = model.packed_modules[module]
-        return f"{parent}.{fused}.{leaf}", index
-    return name, None
 
 
 def _expected(model: nn.Module, params: dict) -> dict[str, set[int | None]]:
@@ -89,13 +103,13 @@ def _expected(model: nn.Module, params: dict) -> dict[str, set[int | None]]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str,
-                 target: Callable[[str], tuple[str, int | None] | None] | None = None) -> None:
+                 names: NameMap | None = None) -> None:
     """Copy (checkpoint name, tensor or safetensors slice) pairs into the model; every parameter must be
-    filled exactly. target maps a checkpoint name to (our parameter, slice index in a fused module or None:
-    the whole parameter), or None to skip it; by default the decoders' transformers names. Then each module's
+    filled exactly. names: the checkpoint's names (by default the decoders' transformers names); a fused
+    parameter's slice index None means the checkpoint holds it whole (Phi-3's qkv_proj). Then each module's
     process_weights_after_loading() runs, a module's before its children's."""
     params = dict(model.named_parameters())
-    target_of = target or functools.partial(_target, model, params)
+    target_of = names or decoder_names(model)
     missing = _expected(model, params)
     unexpected = []
     for name, tensor in weights:
@@ -111,16 +125,17 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source
         try:
             weight_loader(param, tensor) if index is None else weight_loader(param, tensor, index)
         except ValueError as exc:
-            raise ValueError(f"{source}: weight {name!r} {exc}; the checkpoint does not match its config.json") from None
+            raise ValueError(f"{source}: weight {name!r} {exc}; the checkpoint does not match its config.json") \
+                from None
         if index is None:
             missing[ours].clear()
         else:
             missing[ours].discard(index)
     if unexpected:
         raise ValueError(f"{source}: unexpected weights {sorted(unexpected)[:10]} ({len(unexpected)} in all)")
-    names = sorted(name for name, slices in missing.items() if slices)
-    if names:
-        raise ValueError(f"{source}: checkpoint lacks weights for {names[:10]} ({len(names)} in all)")
+    lacking = sorted(name for name, slices in missing.items() if slices)
+    if lacking:
+        raise ValueError(f"{source}: checkpoint lacks weights for {lacking[:10]} ({len(lacking)} in all)")
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

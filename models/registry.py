@@ -56,16 +56,17 @@ def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_h
         return LlamaForCausalLM(hf_config, with_lm_head=with_lm_head, max_model_len=max_model_len, fp8_gemm=fp8_gemm)
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               fp8_gemm: str = "triton") -> LoadedModel:
-    """Load a local checkpoint directory (config.json + safetensors) or a .gguf file. max_model_len and fp8_gemm
-    go to the decoder (see models/llama.py)."""
-    from models.loader import load_weights, load_safetensors
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
+               max_model_len: int | None = None, fp8_gemm: str = "triton") -> LoadedModel:
+    """Load a local checkpoint directory (config.json + safetensors) or a .gguf file (its converted metadata kept
+    under cache_dir, see models/gguf_loader.py). max_model_len and fp8_gemm go to the decoder (see
+    models/llama.py)."""
+    from models.loader import load_safetensors, load_weights
 
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
         from models.gguf_loader import gguf_model_dir, iterate_gguf
 
-        model_dir = gguf_model_dir(model_path)
+        model_dir = gguf_model_dir(model_path, cache_dir)
         hf_config = AutoConfig.from_pretrained(model_dir)
         model = build_decoder(hf_config, dtype, device, architecture_of(hf_config) in DECODERS, max_model_len)
         load_weights(model, iterate_gguf(model_path, hf_config), source=model_path)

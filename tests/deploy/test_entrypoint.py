@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the entrypoint script and the services it starts
+
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "entrypoint.sh"
 PACKAGES = ["daemon_protocol", "handler", "engine", "models", "kernels"]
@@ -25,14 +27,16 @@ TRANSPORT_VARIABLES = {"HFENDPOINT_FD", "HFENDPOINT_STDIO", "HFENDPOINT_UNIX_LIS
 
 def clean_env(tmp_path: Path, **overrides: str) -> dict[str, str]:
     """The caller's environment without any model or daemon choice of its own, and no /repository."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST")}
     env.update(HFENDPOINT_REPOSITORY_DIR=str(tmp_path / "no-repository"), PYTHON=sys.executable, HF_HUB_OFFLINE="1")
     env.update(overrides)
     return env
 
 
 def run(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    return subprocess.run([*prefix, str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=30,
+                          cwd=ROOT)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -73,7 +77,8 @@ def test_help_lists_every_variable_read_here_or_by_the_handler(tmp_path, flag):
     assert not missing, f"entrypoint.sh --help does not list {sorted(missing)}"
 
 
-@pytest.mark.parametrize("model_id", ["/no/such/model", "./no-such-model", "../no-such-model", "no-such.gguf", "~/no-such-model"])
+@pytest.mark.parametrize("model_id",
+                         ["/no/such/model", "./no-such-model", "../no-such-model", "no-such.gguf", "~/no-such-model"])
 def test_a_model_path_that_does_not_exist_fails_at_once(tmp_path, model_id):
     start = time.monotonic()
     result = run(clean_env(tmp_path, MODEL_ID=model_id))
@@ -87,11 +92,13 @@ def test_a_bad_port_fails_at_once(tmp_path, port):
 
 
 def test_a_daemon_that_is_not_there_fails_at_once(tmp_path):
-    assert_one_line_error(run(clean_env(tmp_path, HFENDPOINT_BIN="/no/such/hfendpoint")), "HFENDPOINT_BIN=/no/such/hfendpoint")
+    assert_one_line_error(run(clean_env(tmp_path, HFENDPOINT_BIN="/no/such/hfendpoint")),
+                          "HFENDPOINT_BIN=/no/such/hfendpoint")
 
 
 def test_a_python_that_is_not_there_fails_at_once(tmp_path):
-    assert_one_line_error(run(clean_env(tmp_path, PYTHON="/no/such/python", HFENDPOINT_BIN="true")), "PYTHON=/no/such/python")
+    assert_one_line_error(run(clean_env(tmp_path, PYTHON="/no/such/python", HFENDPOINT_BIN="true")),
+                          "PYTHON=/no/such/python")
 
 
 def test_the_daemon_gets_host_port_and_the_handler_command_with_extra_arguments(tmp_path):
@@ -105,7 +112,8 @@ def test_a_mounted_model_wins_over_model_id(tmp_path):
     repository = tmp_path / "repository"
     repository.mkdir()
     (repository / "config.json").write_text("{}")
-    env = clean_env(tmp_path, HFENDPOINT_REPOSITORY_DIR=str(repository), MODEL_ID="/no/such/model", HFENDPOINT_BIN="true")
+    env = clean_env(tmp_path, HFENDPOINT_REPOSITORY_DIR=str(repository), MODEL_ID="/no/such/model",
+                    HFENDPOINT_BIN="true")
     result = run(env)
     assert result.returncode == 0, result.stderr
     assert f"serving the model mounted at {repository}" in result.stderr
@@ -116,7 +124,8 @@ def test_a_hub_id_is_left_to_the_handler(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to drop to another user")
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to drop to another user")
 AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 
 
@@ -193,11 +202,13 @@ def test_serves_a_chat_completion_and_health_then_stops_on_sigterm_with_no_orpha
     port = free_port()
     env = clean_env(tmp_path, PORT=str(port), HOST="127.0.0.1", MODEL_ID=smollm2_gguf(), HFENDPOINT_DEVICE="cpu")
     log = (tmp_path / "log").open("w+")
-    process = subprocess.Popen([str(ENTRYPOINT)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen([str(ENTRYPOINT)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for_health(f"{base}/health", process, time.monotonic() + 60)
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "temperature": 0}
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
+                "temperature": 0}
         reply = post_json(f"{base}/v1/chat/completions", body, timeout=120)
         choice = reply["choices"][0]
         assert reply["object"] == "chat.completion"
@@ -228,7 +239,8 @@ def test_serves_a_chat_completion_and_health_then_stops_on_sigterm_with_no_orpha
 
 
 def test_a_bad_engine_variable_stops_the_whole_service_with_its_name(tmp_path):
-    env = clean_env(tmp_path, PORT=str(free_port()), HOST="127.0.0.1", MODEL_ID=smollm2_gguf(), HFENDPOINT_MAX_SEQS="abc")
+    env = clean_env(tmp_path, PORT=str(free_port()), HOST="127.0.0.1", MODEL_ID=smollm2_gguf(),
+                    HFENDPOINT_MAX_SEQS="abc")
     result = subprocess.run([str(ENTRYPOINT)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "HFENDPOINT_MAX_SEQS" in result.stdout + result.stderr

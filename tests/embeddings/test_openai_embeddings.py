@@ -13,6 +13,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+pytestmark = pytest.mark.slow  # the handler and mock daemon serving MiniLM
+
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " * 3]
 

@@ -39,7 +39,8 @@ def test_legacy_flags_and_normalize(tmp_path, flag, mode, normalize):
     assert read_pooling_config(model_dir, "cls" if mode != "cls" else "mean") == PoolingConfig(mode, normalize, 128)
 
 
-@pytest.mark.parametrize("name, mode", [("mean", "mean"), ("cls", "cls"), ("lasttoken", "last"), (["lasttoken"], "last")])
+@pytest.mark.parametrize("name, mode",
+                         [("mean", "mean"), ("cls", "cls"), ("lasttoken", "last"), (["lasttoken"], "last")])
 def test_pooling_mode_key_of_newer_versions(tmp_path, name, mode):
     model_dir = write_st_dir(tmp_path, {"embedding_dimension": 8, "pooling_mode": name, "include_prompt": True},
                              normalize=False, pooling_type="sentence_transformers.sentence_transformer.modules.Pooling")

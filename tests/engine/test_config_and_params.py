@@ -27,6 +27,16 @@ def test_from_env_names_the_bad_variable(name, value):
         EngineConfig.from_env("/m", {name: value})
 
 
+def test_cache_dir_comes_from_the_environment_once(monkeypatch):
+    """HFENDPOINT_CACHE_DIR (where GGUF metadata is converted) is read with the other settings; unset or blank,
+    it is the user's cache folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert EngineConfig.from_env("/m", {"HFENDPOINT_CACHE_DIR": "/tmp/ours"}).cache_dir == "/tmp/ours"
+    assert EngineConfig.from_env("/m", {"HFENDPOINT_CACHE_DIR": " "}).cache_dir == "/xdg/nanovllm-endpoint"
+    assert EngineConfig("/m").cache_dir == "/xdg/nanovllm-endpoint"
+    assert not EngineConfig("/m", cache_dir="~/c").cache_dir.startswith("~")
+
+
 def test_device_and_dtype_resolution():
     config = EngineConfig("/m", device="cpu")
     assert str(config.torch_device) == "cpu" and str(config.torch_dtype) == "torch.float32"

@@ -197,6 +197,7 @@ def test_worker_streams_and_aborts_with_overlap(tiny_llama, prompts_of_lengths):
         worker.shutdown()
 
 
+@pytest.mark.slow  # a tensor-parallel rank in a process of its own
 def test_two_tensor_parallel_ranks_with_overlap(tiny_llama, prompts_of_lengths):
     """Rank 0 samples and sends each continuation's input ids to the other rank on the device."""
     prompts = prompts_of_lengths([5, 33, 18], seed=6)

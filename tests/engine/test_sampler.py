@@ -128,3 +128,17 @@ def test_bf16_logits_sample_as_their_float32_copy():
         as_bf16 = Sampler(torch.device("cpu"), seed=0)(logits, batch())
         as_float32 = Sampler(torch.device("cpu"), seed=0)(logits.float(), batch())
         assert torch.equal(as_bf16, as_float32), name
+
+
+def test_the_sampler_keys_both_paths_by_seed_and_position():
+    """At the sampler: a seeded row draws what it draws alone, whether its batch takes the one-pass path or the
+    masked one, and the draw moves with the position."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
+    subject = make([1, 2, 3], temperature=1.0, seed=99)
+    alone = Sampler(torch.device("cpu"))(logits[:1], [subject]).item()
+    for mate in ({"temperature": 0.5}, {"top_k": 3}, {"top_p": 0.3}, {"min_p": 0.2}, {"temperature": 0}):
+        sampler = Sampler(torch.device("cpu"))
+        batch = [make([5], **mate), subject, make([6], **mate)]
+        assert sampler(logits[[1, 0, 2]], batch)[1].item() == alone, mate
+    draws = {Sampler(torch.device("cpu"))(logits[:1], [subject], ahead=n).item() for n in range(30)}
+    assert len(draws) > 10

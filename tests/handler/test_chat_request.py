@@ -31,7 +31,8 @@ def test_prompt_is_the_chat_template_with_a_generation_prompt(model):
 
 
 def test_content_parts_nil_content_and_missing_role(model):
-    parts = parse_chat_request({"messages": [{"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    parts = parse_chat_request({"messages": [{"content": [{"type": "text", "text": "a"},
+                                                          {"type": "text", "text": "b"}]},
                                              {"role": "assistant", "content": None}]}, model)
     assert parts.prompt_token_ids == expected_prompt(
         model.tokenizer, [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}])
@@ -106,7 +107,8 @@ def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
     ({**user("hi"), "ignore_eos": "yes"}, "ignore_eos"),
     ({**user("hi"), "max_tokens": 0}, "max_tokens must be at least 1"),
     ({**user("hi"), "max_tokens": True}, "max_tokens must be an integer"),
-    ({**user("hi"), "max_completion_tokens": 1000}, "max_completion_tokens: this model's maximum context length is 128"),
+    ({**user("hi"), "max_completion_tokens": 1000},
+     "max_completion_tokens: this model's maximum context length is 128"),
     ({**user("hi"), "n": 2}, "only n=1 is supported"),
     ({**user("hi"), "stop": ["a", 1]}, "stop must be"),
     ({**user("hi"), "stop": [""]}, "stop must be"),

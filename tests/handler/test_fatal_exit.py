@@ -1,5 +1,5 @@
 """When the engine cannot go on (a tensor-parallel rank died), the handler says why on stderr and exits
-non-zero a moment later, once the failed requests' error replies are out (protocol.md, failure rules)."""
+non-zero a moment later, once the failed requests' error replies are out (docs/protocol.md section 7, failure rules)."""
 import os
 import threading
 

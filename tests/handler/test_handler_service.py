@@ -7,6 +7,8 @@ import time
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind the mock daemon
+
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish.", "What is 2 + 2?"]
 SMOLLM2_HIDDEN_SIZE = 576

@@ -103,6 +103,7 @@ def test_unreachable_hub_gives_up_in_seconds(env, capfd):
     assert "cannot be reached" in capfd.readouterr().err
 
 
+@pytest.mark.slow  # a handler process
 def test_handler_exits_with_one_clear_line_when_model_id_cannot_be_resolved(tmp_path, env):
     env["MODEL_ID"] = "org/not-cached"
     result = subprocess.run([sys.executable, "-m", "handler"], env={**os.environ, **env}, capture_output=True,
@@ -110,3 +111,9 @@ def test_handler_exits_with_one_clear_line_when_model_id_cannot_be_resolved(tmp_
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "handler: error: org/not-cached is not in the local cache and HF_HUB_OFFLINE is set"]
+
+
+def test_a_bad_hf_hub_offline_is_named(env):
+    env.update(MODEL_ID="org/not-cached", HF_HUB_OFFLINE="maybe")
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE='maybe' is invalid: expected a boolean"):
+        resolve_model(env)

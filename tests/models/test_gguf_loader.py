@@ -42,6 +42,7 @@ def smollm2():
 
 
 @torch.no_grad()
+@pytest.mark.slow  # the packaged SmolLM2, converted and run
 def test_smollm2_gguf_logits_match_transformers(smollm2):
     loaded, reference = smollm2
     assert loaded.kind == "decoder" and loaded.hf_config.architectures == ["LlamaForCausalLM"]

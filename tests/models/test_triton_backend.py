@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole decoders through interpreted Triton kernels
+
 pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -115,7 +115,8 @@ def test_u64_ids_near_the_top_are_preserved(request_id):
     request = msgpack.packb({"id": request_id, "name": "stream", "data": 2})
     replies, transport = run([request], lambda r: len(r) == 2)
     assert [r["id"] for r in replies] == [request_id, request_id]
-    assert bytes(transport.data).startswith(msgpack.packb({"id": request_id, "data": {"content": "t0", "finish_reason": None}}))
+    first = msgpack.packb({"id": request_id, "data": {"content": "t0", "finish_reason": None}})
+    assert bytes(transport.data).startswith(first)
 
 
 def test_split_reads_over_the_real_socket(handler):
@@ -159,7 +160,8 @@ def test_streams_wait_while_the_transport_is_backed_up():
         session = Session(registry, writer, loop)
         session.connection_made(transport)
         session.pause_writing()
-        session.data_received(msgpack.packb({"id": 1, "name": "endless"}) + msgpack.packb({"id": 2, "name": "echo", "data": 5}))
+        session.data_received(msgpack.packb({"id": 1, "name": "endless"})
+                              + msgpack.packb({"id": 2, "name": "echo", "data": 5}))
         for _ in range(20):
             await asyncio.sleep(0)
         assert produced == [0]
@@ -187,7 +189,8 @@ def test_cancel_before_the_handler_starts_forgets_the_request():
         transport = FakeTransport()
         session = Session(make_registry(), ReplyWriter(loop), loop)
         session.connection_made(transport)
-        session.data_received(msgpack.packb({"id": 3, "name": "stream", "data": 5}) + msgpack.packb({"id": 3, "name": "cancel"}))
+        session.data_received(msgpack.packb({"id": 3, "name": "stream", "data": 5})
+                              + msgpack.packb({"id": 3, "name": "cancel"}))
         for _ in range(5):
             await asyncio.sleep(0)
         assert session._tasks == {}

@@ -11,6 +11,8 @@ import pytest
 
 from protocol_support import ROOT, child_env
 
+pytestmark = pytest.mark.slow  # the mock daemon and its workers as processes
+
 KEY = "test-key"
 
 
@@ -32,9 +34,14 @@ def post(daemon, path: str, body: str, key: str | None = KEY) -> tuple[int, str]
     return curl(*auth, "-H", "Content-Type: application/json", "--data-binary", body, f"{daemon.base_url}{path}")
 
 
+def cleanups(client: openai.OpenAI) -> str:
+    reply = client.chat.completions.create(model="cleanups", messages=[{"role": "user", "content": "?"}])
+    return reply.choices[0].message.content
+
+
 def wait_for_cleanup(client: openai.OpenAI, tag: str) -> None:
     deadline = time.monotonic() + 10
-    while tag not in client.chat.completions.create(model="cleanups", messages=[{"role": "user", "content": "?"}]).choices[0].message.content:
+    while tag not in cleanups(client):
         assert time.monotonic() < deadline, f"the worker never cleaned up {tag!r}"
         time.sleep(0.02)
 

@@ -7,8 +7,11 @@ import time
 from collections import defaultdict
 
 import msgpack
+import pytest
 
 from protocol_support import ECHO_WORKER, HandlerClient, child_env, stop_process
+
+pytestmark = pytest.mark.slow  # handler processes over real sockets
 
 CORRUPT = "the daemon sent bytes that are not MessagePack; the handler is exiting"
 

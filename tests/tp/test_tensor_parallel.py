@@ -18,6 +18,8 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams, Worker
 from tp_testing import alive, prompts
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks in processes of their own
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

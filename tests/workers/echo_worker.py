@@ -19,7 +19,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import daemon_protocol  # noqa: E402  (importable without installing the package)
+import daemon_protocol  # importable without installing the package
 
 cleanups: list[str] = []
 
