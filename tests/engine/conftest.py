@@ -3,10 +3,10 @@ import gc
 
 import pytest
 import torch
-from random_decoders import TINY, Reference, save_random_decoder
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine import kv_cache
+from random_decoders import TINY, Reference, save_random_decoder
 
 CUDA_TEST_KV_BLOCKS = 1024
 CONFIGS = {

@@ -7,10 +7,10 @@ a KV pool so small that requests are preempted."""
 from dataclasses import dataclass, field
 
 import pytest
-from random_decoders import TINY, Reference, save_fp8_decoder, save_random_decoder
 from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config, SiglipVisionConfig
 
 from engine import LLM, SamplingParams
+from random_decoders import TINY, Reference, save_fp8_decoder, save_random_decoder
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW)

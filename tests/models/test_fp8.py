@@ -6,7 +6,6 @@ named."""
 import pytest
 import torch
 from decoder_testing import COMMON, CONFIGS, varlen_metadata
-from random_decoders import save_fp8_decoder
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -15,6 +14,7 @@ from models import fp8
 from models.llama import check_tensor_parallel
 from models.parallel_layers import ParallelLinear
 from models.registry import load_model
+from random_decoders import save_fp8_decoder
 
 CPU = torch.device("cpu")
 CHECKPOINTS = {  # name: (config, format, block overriding the format's)

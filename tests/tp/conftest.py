@@ -3,8 +3,9 @@ family allows (so the row-parallel bias-once rule is exercised), tied and untied
 (so the last rank's vocabulary range is padded), and an FP8 Phi-3 (each rank reads its rows of each part of
 the fused projections, with their scales, and its K groups of the row-parallel ones' scales)."""
 import pytest
-from random_decoders import save_fp8_decoder, save_random_decoder
 from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+from random_decoders import save_fp8_decoder, save_random_decoder
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5,
