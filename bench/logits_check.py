@@ -1,10 +1,13 @@
-"""GPU check: the engine's logits for a random Qwen3-0.6B-shaped model against transformers' on the same
-weights, teacher-forced over 256 positions, through the real step path: chunked prefill, decode with and
-without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error.
+"""GPU check: the engine's logits for a random Qwen3-0.6B-shaped model (or another of bench/models, with fewer
+layers or another sliding window) against transformers' on the same weights, teacher-forced over 256 positions,
+through the real step path: chunked prefill, decode with and without CUDA graphs, and a second pass that hits
+the prefix cache. Prints top-1 agreement and log-prob error.
 
---model names any config under bench/models (gemma3-1b: prompts longer than its 512-token window need
---prompt-len above 512). --fp8: the engine serves the model's block-wise FP8 copy (bench/random_model.py),
-transformers the bf16 weights it was made from."""
+A sliding-window model with a prompt longer than its window checks the window's mask in every kernel, and that
+the blocks freed behind the window are never read:
+    python3 bench/logits_check.py --model mistral-7b --layers 4 --sliding-window 512 --prompt-len 1500
+Gemma-3-1B's local layers have a window of 512: --model gemma3-1b --prompt-len 1000. --fp8: the engine serves
+the model's block-wise FP8 copy (bench/random_model.py), transformers the bf16 weights it was made from."""
 import argparse
 from random import randint, seed
 
@@ -65,12 +68,16 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--positions", type=int, default=256)
+    ap.add_argument("--layers", type=int, help="num_hidden_layers of the random model (default: its config's)")
+    ap.add_argument("--sliding-window", type=int, help="sliding_window of the random model (default: its config's)")
     ap.add_argument("--margin", type=float, default=MARGIN, help="top-2 gap (fp32 logits) of a decided position")
     ap.add_argument("--fp8", action="store_true", help="the engine serves the model's FP8 copy")
     ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
     args = ap.parse_args()
     seed(0)
-    path = make_random_model(args.model) if "/" not in args.model else args.model
+    overrides = {key: value for key, value in [("num_hidden_layers", args.layers),
+                                               ("sliding_window", args.sliding_window)] if value is not None}
+    path = make_random_model(args.model, overrides=overrides) if "/" not in args.model else args.model
     served, label = (make_fp8_copy(path), "engine FP8") if args.fp8 else (path, "engine")
     tokens = [randint(0, 10000) for _ in range(args.prompt_len + args.positions)]
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
@@ -83,10 +90,11 @@ def main():
     rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
     for eager in (False, True):
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
-                  fp8_gemm=args.fp8_gemm)
-        name = "eager" if eager else "cuda graphs"
+                  max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm)
+        window = llm.core.block_manager.window
+        name = ("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
-        rows.append((f"{label} ({name}, chunked prefill 128) vs bf16", *compare(ours, ref, ref32, margin)))
+        rows.append((f"{label} ({name}, chunks of 128) vs bf16", *compare(ours, ref, ref32, margin)))
         rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))
         ours, cached = engine_logits(llm, tokens, args.prompt_len)
         rows.append((f"{label} ({name}, prefix hit {cached} tok) vs fp32", *compare(ours, ref32, ref32, margin)))
@@ -95,9 +103,9 @@ def main():
     top2 = ref32.topk(2, dim=-1).values
     decided = ((top2[:, 0] - top2[:, 1]) > margin).sum().item()
     print(f"{decided} of {len(ref32)} positions have a top-2 margin over {margin} in the fp32 reference")
-    print(f"{'comparison':56} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
+    print(f"{'comparison':64} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
     for name, agree, agree_decided, med, mx in rows:
-        print(f"{name:56} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
+        print(f"{name:64} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ FP8 copy of such a model (block-wise, as the Qwen3 -FP8 checkpoints)."""
 import argparse
 import json
 import os
-import shutil
 
 import torch
 from safetensors import safe_open
@@ -18,18 +17,26 @@ FP8_BLOCK = (128, 128)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, device: str = "cuda") -> str:
-    """Writes bench/models/<name>/config.json with random weights to out_dir (once) and returns out_dir."""
-    out_dir = out_dir or f"/tmp/random-{name}"
+def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, device: str = "cuda",
+                      overrides: dict | None = None) -> str:
+    """Writes bench/models/<name>/config.json, with `overrides` of its fields (fewer layers, another window),
+    and random weights to out_dir (once; the default names the overrides) and returns out_dir."""
+    overrides = overrides or {}
+    out_dir = out_dir or f"/tmp/random-{name}" + "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
     if os.path.exists(os.path.join(out_dir, "model.safetensors")) or os.path.exists(
             os.path.join(out_dir, "model.safetensors.index.json")):
         return out_dir
-    config = AutoConfig.from_pretrained(os.path.join(HERE, "models", name))
+    with open(os.path.join(HERE, "models", name, "config.json"), encoding="utf-8") as f:
+        raw_config = {**json.load(f), **overrides}
+    os.makedirs(out_dir, exist_ok=True)
+    config_path = os.path.join(out_dir, "config.json")
+    _write_json(config_path, raw_config)
+    config = AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir, max_shard_size="4GB")
-    shutil.copy(os.path.join(HERE, "models", name, "config.json"), os.path.join(out_dir, "config.json"))
+    _write_json(config_path, raw_config)  # the public config as written, not this transformers' rendering of it
     return out_dir
 
 
@@ -55,16 +62,19 @@ def make_fp8_copy(model_dir: str, out_dir: str | None = None, device: str | None
                 tensors[name] = tensor.cpu()
         save_file(tensors, os.path.join(out_dir, os.path.basename(path)), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, os.path.basename(path)))
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    with open(os.path.join(model_dir, "config.json")) as f:
+    _write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {}, "weight_map": weight_map})
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(FP8_BLOCK)}
-    with open(config_path + ".partial", "w") as f:
-        json.dump(config, f, indent=2)
+    _write_json(config_path + ".partial", config)
     os.replace(config_path + ".partial", config_path)  # written last: its presence means the copy is whole
     return out_dir
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ Only metadata lives here; the KV tensors are indexed by block id in the model ru
 identified by an xxhash of its tokens chained on its parent block's hash, so equal hashes mean equal
 prefixes. Freed blocks keep their hash and contents and join the back of the free queue: a later request
 with the same prefix takes them back (a hit) until allocation reaches them at the front (eviction).
+
+With a sliding window on every layer (`window` > 0), a query at position q reads only keys q - window < p <= q,
+so a running request's blocks that lie wholly before the window of its next token are freed as it advances
+(their entries in its block table become -1; the kernels never read them), and a prefix hit needs only the
+blocks inside the window of the first token it computes to be cached: the earlier ones are never read.
 """
 import numpy as np
 import xxhash
@@ -71,9 +76,14 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=parent_hash)
 
 
+FREED = -1  # a block-table entry whose block was freed (out of the window): never read
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0):
+        """window: the model's sliding window when every layer has one (0: some layer reads all keys)."""
         self.block_size = block_size
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, Block] = {}  # hash -> block holding that prefix
@@ -105,30 +115,47 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size]))
         return seq.block_hashes
 
-    def find_cached_prefix(self, seq: Sequence) -> list[Block]:
-        """The longest run of cached blocks matching seq's leading full blocks. The last token is never
-        covered, so the step that admits seq always computes at least one token and gets logits."""
+    def num_out_of_window(self, num_tokens: int) -> int:
+        """How many leading blocks no query at position num_tokens or later reads (0 without a window)."""
+        return max(num_tokens - self.window + 1, 0) // self.block_size if self.window else 0
+
+    def find_cached_prefix(self, seq: Sequence) -> list[Block | None]:
+        """The longest prefix of seq's leading full blocks that the cache can serve: every block of it cached,
+        or, with a window, every block inside the window of the first token left to compute (None stands for
+        the blocks before it, which are never read; the chained hashes of the later ones cover their tokens).
+        The last token is never covered, so the step that admits seq always computes at least one token and
+        gets logits."""
         size = self.block_size
         num_blocks = (len(seq) - 1) // size
-        hits = []
+        found: list[Block | None] = []
+        run_start = best = 0  # the first block of the current run of cached blocks; the longest servable prefix
         for i, h in enumerate(self._block_hashes(seq, num_blocks)[:num_blocks]):
             block = self.cached.get(h)
             if block is None or block.token_ids != tuple(seq.token_ids[i * size:(i + 1) * size]):
-                break
-            hits.append(block)
-        return hits
+                if not self.window:
+                    break
+                block, run_start = None, i + 1
+            found.append(block)
+            if run_start <= self.num_out_of_window((i + 1) * size):
+                best = i + 1
+        num_unread = self.num_out_of_window(best * size)
+        return [None] * num_unread + found[num_unread:best]
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[Block | None] = ()) -> bool:
         """Gives seq the blocks for its next num_new_tokens tokens (after the cached prefix, for a newly
-        admitted seq). Returns False and changes nothing when the free queue cannot cover it."""
+        admitted seq; its None entries, out of the window, are FREED at once). Returns False and changes
+        nothing when the free queue cannot cover it."""
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(seq.block_table) - len(cached_prefix)
         if needed <= 0 and not cached_prefix:  # a decode inside its last block
             return True
-        reclaimed = sum(1 for block in cached_prefix if block.ref_count == 0)  # hits sitting in the free queue
+        hits = [block for block in cached_prefix if block is not None]
+        reclaimed = sum(1 for block in hits if block.ref_count == 0)  # hits sitting in the free queue
         if needed > len(self.free_queue) - reclaimed:
             return False
-        for block in cached_prefix:
+        seq.block_table.extend([FREED] * (len(cached_prefix) - len(hits)))
+        seq.num_freed_blocks += len(cached_prefix) - len(hits)
+        for block in hits:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
@@ -166,15 +193,31 @@ class BlockManager:
                 self.cached[block.hash] = block
         seq.num_committed_blocks = num_full
 
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """With a window, frees seq's blocks that lie wholly before the window of its next token (position
+        num_computed_tokens): no query of seq reads them again. Their block-table entries become FREED. A
+        block that other requests share stays theirs (one reference less). Called after each step."""
+        num_unread = min(self.num_out_of_window(seq.num_computed_tokens), len(seq.block_table))
+        for i in range(seq.num_freed_blocks, num_unread):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = FREED
+        seq.num_freed_blocks = max(seq.num_freed_blocks, num_unread)
+
     def free(self, seq: Sequence) -> None:
-        """Drops seq's references, tail blocks first so they are evicted before the shared prefix.
-        Unhashed blocks go to the front (nothing to keep), cached ones to the back (kept longest)."""
+        """Drops seq's references, tail blocks first so they are evicted before the shared prefix."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                (self.free_queue.append if block.hash is not None else self.free_queue.appendleft)(block)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_committed_blocks = 0
+        seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        """One reference less; a block nobody holds joins the free queue: unhashed at the front (nothing to
+        keep), cached at the back (kept longest)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            (self.free_queue.append if block.hash is not None else self.free_queue.appendleft)(block)

@@ -30,7 +30,7 @@ class EngineCore:
         self.embedder = Embedder.for_decoder(config, loaded, self.runner.forward_packed, self.runner.max_model_len)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(loaded)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.runner.model.kv_window)
         self.scheduler = Scheduler(config, self.block_manager)
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished

@@ -125,6 +125,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+            self.block_manager.free_out_of_window(seq)
             if token_id is not None and seq.append_token(token_id):
                 finished = True
             results.append((seq, token_id))

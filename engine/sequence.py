@@ -16,8 +16,8 @@ class Sequence:
     request samples a new token whenever that step reaches the end of token_ids."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
-                 "block_table", "block_hashes", "num_committed_blocks", "status", "params", "stop_token_ids",
-                 "max_len", "finish_reason", "error")
+                 "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
+                 "stop_token_ids", "max_len", "finish_reason", "error")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
@@ -29,6 +29,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []    # chained hash of each full block of token_ids, computed once
         self.num_committed_blocks = 0        # leading blocks of block_table registered in the prefix cache
+        self.num_freed_blocks = 0            # leading blocks of block_table freed: out of the sliding window
         self.status = SequenceStatus.WAITING
         self.params = params
         self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos

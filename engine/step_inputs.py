@@ -123,9 +123,10 @@ class StepBuffers:
 
     def _stage_block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """The staged block table with rows 0..len(seqs)-1 brought up to date. A block table only grows by
-        appends (freeing replaces the list), so a row that held this list before writes only its new blocks:
-        a decode step writes nothing or the block it just got. Columns past a row's blocks are stale but
-        always valid block ids, and attention never reads them."""
+        appends (freeing replaces the list; a block freed behind a sliding window turns FREED in place), so a
+        row that held this list before writes only its new blocks: a decode step writes nothing or the block it
+        just got. Columns past a row's blocks, and entries behind its window (old ids or FREED), are stale, and
+        attention never reads them."""
         owners, lengths, tables = self.table_owners, self.table_lengths, self.block_tables
         for row, seq in enumerate(seqs):
             blocks = seq.block_table

@@ -126,7 +126,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     the blocks before its window are never read, so they may have been freed. sinks [n_q]: one logit per
     query head that joins the softmax's denominator only (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink +
     sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
-    check_window_and_sinks(window, sinks, q.shape[1], causal=True)
+    _check_window_and_sinks(window, sinks, q.shape[1], causal=True)
     return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
@@ -136,11 +136,11 @@ def varlen_attention(
 ) -> Tensor:
     """Attention within each sequence of a packed batch, no cache; window (causal only) and sinks as in
     paged_attention."""
-    check_window_and_sinks(window, sinks, q.shape[1], causal)
+    _check_window_and_sinks(window, sinks, q.shape[1], causal)
     return _backend_of(q).varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, window, sinks)
 
 
-def check_window_and_sinks(window: int, sinks: Tensor | None, num_q_heads: int, causal: bool) -> None:
+def _check_window_and_sinks(window: int, sinks: Tensor | None, num_q_heads: int, causal: bool) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an integer >= 0 (0: full attention), got {window!r}")
     if window and not causal:
@@ -203,7 +203,7 @@ def qkv_paged_attention(
     """qkv_prologue, storing the step's keys and values in the paged cache, then paged_attention (with its
     window and sinks): q [T, n_q, D] attended. A decode step on CUDA without flash-attn runs both in the decode
     attention kernel (one launch less per layer; Triton's qkv_decode_attention)."""
-    check_window_and_sinks(window, sinks, num_heads, causal=True)
+    _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
     if meta.is_decode and backend.fused_decode is not None:
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,

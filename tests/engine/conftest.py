@@ -3,16 +3,18 @@ import gc
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine import kv_cache
 from random_decoders import TINY, Reference, save_random_decoder
 
 CUDA_TEST_KV_BLOCKS = 1024
+MISTRAL_WINDOW = 20  # shorter than most test prompts
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False),
 }
 
 
@@ -24,6 +26,11 @@ def tiny_model(request, tmp_path_factory) -> Reference:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Reference:
     return _make("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Reference:
+    return _make("mistral", tmp_path_factory)
 
 
 _CACHE = {}

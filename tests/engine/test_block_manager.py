@@ -1,11 +1,12 @@
-"""Block manager and scheduler bookkeeping: invariants under random operation sequences, LRU eviction,
-O(1) removal of a prefix hit from the free queue."""
+"""Block manager and scheduler bookkeeping: invariants under random operation sequences (with and without a
+sliding window), LRU eviction, O(1) removal of a prefix hit from the free queue, blocks freed as they leave
+the window."""
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import Block, BlockManager, FreeBlockQueue
+from engine.block_manager import FREED, Block, BlockManager, FreeBlockQueue
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -25,18 +26,22 @@ def fill(bm: BlockManager, seq: Sequence) -> None:
     assert bm.allocate(seq, len(seq) - seq.num_computed_tokens, hits)
     seq.num_computed_tokens = len(seq)
     bm.commit(seq)
+    bm.free_out_of_window(seq)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Drives the real scheduler and block manager with a fake model that writes token ids as its "KV"
     and samples a token derived from the context. After every step each running request must find
     exactly its own tokens in its blocks (prefix sharing, eviction and preemption never corrupt a
-    context), and ref counts must match owners."""
+    context), and ref counts must match owners. With a window, "its tokens" are those its next query can
+    see, and it must hold no block before them."""
 
-    @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24), max_seqs=st.integers(1, 6))
-    def setup(self, num_blocks, budget, max_seqs):
+    @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24), max_seqs=st.integers(1, 6),
+                window=st.sampled_from([0, 0, 1, 3, 6, 9]))
+    def setup(self, num_blocks, budget, max_seqs, window):
         config = EngineConfig(model="-", block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
-        self.bm = BlockManager(num_blocks, BS)
+        self.bm = BlockManager(num_blocks, BS, window)
+        self.window = window
         self.scheduler = Scheduler(config, self.bm)
         self.max_model_len = num_blocks * BS
         self.kv = np.full(num_blocks * BS, -1)
@@ -63,6 +68,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = []
         for seq, n in zip(seqs, counts):
             assert n >= 1
+            self.check_visible(seq, seq.num_computed_tokens)  # what the step's first query reads
             positions = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + n)
             slots = np.array(seq.block_table)[positions // BS] * BS + positions % BS
             self.kv[slots] = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
@@ -78,13 +84,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.abort(seq)
         assert seq.finish_reason == "abort" and not seq.block_table
 
+    def check_visible(self, seq, next_position):
+        """The keys a query at next_position sees are seq's own tokens, in blocks it holds."""
+        first = max(next_position - self.window + 1, 0) if self.window else 0
+        positions = np.arange(first, seq.num_computed_tokens)
+        blocks = np.array(seq.block_table, dtype=int)[positions // BS]
+        assert (blocks != FREED).all()
+        assert self.kv[blocks * BS + positions % BS].tolist() == seq.token_ids[first:seq.num_computed_tokens]
+
     @invariant()
     def contexts_intact(self):
         for seq in getattr(self, "live", []):
-            if seq.num_computed_tokens:
-                positions = np.arange(seq.num_computed_tokens)
-                slots = np.array(seq.block_table)[positions // BS] * BS + positions % BS
-                assert self.kv[slots].tolist() == seq.token_ids[:seq.num_computed_tokens]
+            self.check_visible(seq, seq.num_computed_tokens)
+
+    @invariant()
+    def blocks_before_the_window_freed(self):
+        for seq in getattr(self, "live", []):
+            num_unread = max(seq.num_computed_tokens - self.window + 1, 0) // BS if self.window else 0
+            assert seq.block_table[:num_unread] == [FREED] * num_unread
+            assert FREED not in seq.block_table[num_unread:]
 
     @invariant()
     def ref_counts_match_owners(self):
@@ -92,8 +110,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         owners = np.zeros(len(self.bm.blocks), dtype=int)
         for seq in self.live:
-            assert len(set(seq.block_table)) == len(seq.block_table)
-            owners[seq.block_table] += 1
+            held = [block_id for block_id in seq.block_table if block_id != FREED]
+            assert len(set(held)) == len(held)
+            owners[held] += 1
         assert [b.ref_count for b in self.bm.blocks] == owners.tolist()
         free = [b.block_id for b in self.bm.free_queue]
         assert len(free) == len(set(free)) == self.bm.num_free_blocks
@@ -187,3 +206,74 @@ def test_reset_prefix_cache_forgets_prefixes_and_refuses_while_busy():
     assert len(bm.find_cached_prefix(again)) == 2
     bm.reset_prefix_cache()
     assert bm.find_cached_prefix(again) == [] and bm.num_free_blocks == 4
+
+
+def test_blocks_leave_as_the_window_passes_them():
+    """Window 6, blocks of 4: a block goes back to the pool once every key in it is at or before the next
+    token's position - 6, not a token sooner."""
+    bm = BlockManager(8, BS, window=6)
+    seq = make_seq(list(range(9)), 1, max_tokens=20)
+    assert bm.allocate(seq, 9)
+    held = []
+    for _ in range(12):  # one token per step, as decodes compute them
+        seq.num_computed_tokens += 1 if held else 9
+        bm.free_out_of_window(seq)
+        seq.token_ids.append(0)
+        held.append((seq.num_computed_tokens, bm.num_free_blocks, seq.num_freed_blocks))
+        assert bm.allocate(seq, 1)
+    # next position p reads keys p - 5.. : block 0 (keys 0-3) is unread from p = 9, block 1 from p = 13
+    assert [(p, freed) for p, _, freed in held] == [(9, 1), (10, 1), (11, 1), (12, 1), (13, 2), (14, 2), (15, 2),
+                                                     (16, 2), (17, 3), (18, 3), (19, 3), (20, 3)]
+    assert [free for _, free, _ in held] == [8 - (-(-p // BS) - freed) for p, _, freed in held]
+
+
+def test_a_shared_block_is_freed_once_out_of_every_window():
+    """Window 6: two requests share blocks 0 and 1 of a prefix; block 1 returns to the pool only when the
+    second of them has passed it."""
+    bm = BlockManager(10, BS, window=6)
+    first = make_seq(list(range(9)), 1)
+    fill(bm, first)  # next position 9 reads keys 4 on: block 0 is freed, cached
+    assert first.block_table[0] == FREED and bm.blocks[first.block_table[1]].ref_count == 1
+    second = make_seq(list(range(9)) + [50, 51], 2)
+    fill(bm, second)  # hits blocks 0 and 1; at 11 it reads keys 6 on: block 0 freed again
+    shared = bm.blocks[first.block_table[1]]
+    assert second.block_table[:2] == [FREED, shared.block_id] and shared.ref_count == 2
+    free_before = bm.num_free_blocks
+    for seq, expected_refs in [(first, 1), (second, 0)]:
+        seq.num_computed_tokens = 13  # reads keys 8 on: block 1 (keys 4-7) is behind
+        bm.free_out_of_window(seq)
+        assert seq.block_table[1] == FREED and shared.ref_count == expected_refs
+    assert bm.num_free_blocks == free_before + 1 and list(bm.free_queue)[-1] is shared  # cached: kept longest
+
+
+def owner_blocks(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """The cached blocks of tokens' full blocks, in order."""
+    probe = make_seq(tokens, 99)
+    hashes = bm._block_hashes(probe, len(tokens) // BS)
+    return [bm.cached[h].block_id for h in hashes]
+
+
+def test_prefix_hit_needs_only_the_blocks_in_the_window():
+    """Blocks 0-2 of a cached prefix were evicted, 3-5 are cached: with a window of 6 (blocks of 4) a request
+    whose first new token is at 24 reads keys 19 on (blocks 4 and 5): it hits 6 blocks and takes 2. Without a
+    window the evicted block 0 ends the hit."""
+    tokens = list(range(6 * BS)) + [99]
+    for window, expected_hits, expected_taken in [(6, 6, 2), (0, 0, 0)]:
+        bm = BlockManager(8, BS, window)
+        owner = make_seq(tokens, 1)
+        assert bm.allocate(owner, len(tokens))
+        owner.num_computed_tokens = len(tokens)
+        bm.commit(owner)
+        bm.free(owner)
+        for block_id in owner_blocks(bm, tokens)[:3]:  # evict blocks 0-2 from the cache
+            block = bm.blocks[block_id]
+            del bm.cached[block.hash]
+            block.hash = block.token_ids = None
+        again = make_seq(tokens, 2)
+        hits = bm.find_cached_prefix(again)
+        assert len(hits) == expected_hits and sum(block is not None for block in hits) == expected_taken
+        assert bm.allocate(again, 1, hits)
+        assert again.block_table[:expected_hits - expected_taken] == [FREED] * (expected_hits - expected_taken)
+        assert again.num_freed_blocks == expected_hits - expected_taken
+        bm.free(again)
+        assert bm.num_free_blocks == 8 and all(block.ref_count == 0 for block in bm.blocks)

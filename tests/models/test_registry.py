@@ -33,6 +33,29 @@ def test_unknown_rope_type_is_refused():
         LlamaForCausalLM(config)
 
 
+def test_unknown_layer_types_are_refused_by_name():
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
+                         vocab_size=64)
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("layer_types,sliding_window,expected_windows,expected_kv_window", [
+    (None, None, [0, 0], 0),  # Llama: full attention
+    (None, 7, [7, 7], 7),  # Mistral: every layer
+    (["full_attention", "sliding_attention"], 7, [0, 7], 0),  # Qwen2 above max_window_layers, Gemma 3
+    (["sliding_attention", "sliding_attention"], 7, [7, 7], 7),
+])
+def test_layer_windows_follow_transformers(layer_types, sliding_window, expected_windows, expected_kv_window):
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
+                         vocab_size=64)
+    config.layer_types, config.sliding_window = layer_types, sliding_window
+    model = LlamaForCausalLM(config)
+    assert [layer.self_attn.window for layer in model.model.layers] == expected_windows
+    assert model.kv_window == expected_kv_window
+
+
 @pytest.fixture
 def llama_dir(tmp_path):
     save_tiny_model("llama-gqa", tmp_path)
