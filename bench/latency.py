@@ -1,6 +1,7 @@
 """Time to first token for a 1,024-token prompt and time per output token at batch 1, 8, 64 and 256,
 through the engine's own step loop (random Qwen3-0.6B-shaped weights unless --model is given). Decode steps
-overlap the host's work with the previous step's GPU time unless --no-overlap is given.
+overlap the host's work with the previous step's GPU time unless --no-overlap is given. --fp8 times the
+model's block-wise FP8 copy next (bench/random_model.py), each on an engine of its own.
 
 --json-schema also times every row under a JSON-schema grammar (an array of at least 1,000 strings, so no row
 ends within the run) and --top-logprobs K every row asking for K logprobs per token, each against the
@@ -9,6 +10,7 @@ compiled for a synthetic byte-level vocabulary of the model's size (single bytes
 without a leading space, and a few percent of punctuation tokens, quotes among them, as in a real BPE vocab).
 """
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -19,7 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
-from random_model import make_random_model
+from random_model import make_fp8_copy, make_random_model
 
 LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
@@ -99,21 +101,10 @@ def time_per_output_token(core, batch: int, prompt_len: int, steps: int, **featu
     return statistics.median(times)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
-    ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
-    ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
-    args = ap.parse_args()
-    seed(0)
-    path = make_random_model(args.model) if "/" not in args.model else args.model
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], list[tuple]]:
+    """(metric, shape, ms) rows for the model at path, and (batch, feature, plain ms, with ms) for the features
+    asked for, on an engine of its own (freed before returning)."""
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size, **settings)
     core = llm.core
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
@@ -132,13 +123,44 @@ def main():
             time_per_output_token(core, batch, args.prompt_len, 8, **features)  # warm-up (first masks, kernels)
             with_feature = time_per_output_token(core, batch, args.prompt_len, args.steps, **features)
             compared.append((batch, name, tpot * 1e3, with_feature * 1e3))
-    print(f"{'metric':6} {'shape':28} {'ms (median)':>12}")
-    for metric, shape, ms in rows:
-        print(f"{metric:6} {shape:28} {ms:12.3f}")
+    llm.shutdown()
+    del llm, core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, compared
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
+    ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
+    ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
+    ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy, on an engine of its own")
+    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    args = ap.parse_args()
+    seed(0)
+    path = make_random_model(args.model) if "/" not in args.model else args.model
+    models = [("as saved", path, {})]
+    if args.fp8:
+        models.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
+    print(f"{'weights':16} {'metric':6} {'shape':28} {'ms (median)':>12}")
+    compared = []
+    for weights, model_path, settings in models:
+        rows, featured = measure(model_path, args, **settings)
+        for metric, shape, ms in rows:
+            print(f"{weights:16} {metric:6} {shape:28} {ms:12.3f}", flush=True)
+        compared += [(weights, *row) for row in featured]
     if compared:
-        print(f"\n{'batch':>5} {'feature':18} {'plain ms':>9} {'with ms':>9} {'over':>7}")
-        for batch, name, plain, featured in compared:
-            print(f"{batch:5d} {name:18} {plain:9.3f} {featured:9.3f} {100 * (featured / plain - 1):6.1f}%")
+        print(f"\n{'weights':16} {'batch':>5} {'feature':18} {'plain ms':>9} {'with ms':>9} {'over':>7}")
+        for weights, batch, name, plain, with_feature in compared:
+            print(f"{weights:16} {batch:5d} {name:18} {plain:9.3f} {with_feature:9.3f} "
+                  f"{100 * (with_feature / plain - 1):6.1f}%")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.fp8 import FP8_GEMMS
+
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -32,6 +34,7 @@ class EngineConfig:
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
+    fp8_gemm: str = "triton"            # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -52,6 +55,7 @@ class EngineConfig:
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
         _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
         self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
+        _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
                "CUDA_VISIBLE_DEVICES)")
@@ -100,6 +104,7 @@ ENV_NAMES = {
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
     "cache_dir": "HFENDPOINT_CACHE_DIR",
+    "fp8_gemm": "HFENDPOINT_FP8_GEMM",
 }
 
 

@@ -12,6 +12,7 @@ keep a small model sampled at a high temperature from wandering into endless whi
 """
 import json
 import re
+import warnings
 
 import xgrammar
 
@@ -23,10 +24,14 @@ LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:30:24] /project/cp
 
 class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
-        """stop_token_ids: the tokens that end a reply; a grammar allows them once its text is complete."""
+        """stop_token_ids: the tokens that end a reply; a grammar allows them once its text is complete. A model
+        without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars."""
         self.vocab_size = vocab_size
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                            stop_token_ids=list(stop_token_ids))
+        self.can_constrain = bool(stop_token_ids)
+        with warnings.catch_warnings():  # without stop tokens xgrammar warns that it found none
+            warnings.simplefilter("ignore")
+            self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgrammar.GrammarCompiler(self.info, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self.token_bytes: list[bytes] = self.info.decoded_vocab  # each token's exact bytes
 

@@ -55,8 +55,9 @@ def plan_output(data: dict, model) -> OutputPlan:
                            "tool_choice 'none', 'required' or a named function with it", param="response_format")
     grammar = None
     if schema is not None:
-        if model.grammars is None:
-            raise RequestError(f"{where}: this model cannot constrain its output (no grammar support)")
+        if model.grammars is None or not model.grammars.can_constrain:
+            raise RequestError(f"{where}: this model cannot constrain its output (it has no end-of-sequence token "
+                               "to end a constrained reply with)", param=where)
         grammar = model.grammars.compile_json_schema(schema, where)
     return OutputPlan(n=parse_n(data), logprobs=parse_logprobs(data), logit_bias=parse_logit_bias(data, model),
                       grammar=grammar, tools=tools)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.reference import dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
     "linear",
@@ -22,11 +23,13 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "fp8_linear",
     "qkv_prologue",
     "gumbel_argmax",
     "apply_token_bitmask",
 )
-__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention"]
+__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 
@@ -40,6 +43,7 @@ def _backend(device_type: str) -> SimpleNamespace:
     from kernels import (
         triton_activation,
         triton_attention,
+        triton_fp8_gemm,
         triton_linear,
         triton_norm,
         triton_prologue,
@@ -53,6 +57,8 @@ def _backend(device_type: str) -> SimpleNamespace:
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
         silu_and_mul=triton_activation.silu_and_mul,
+        gelu_tanh_and_mul=triton_activation.gelu_tanh_and_mul,
+        fp8_linear=triton_fp8_gemm.fp8_linear,
         qkv_prologue=triton_prologue.qkv_prologue,
         gumbel_argmax=triton_sampling.gumbel_argmax,
         apply_token_bitmask=triton_sampling.apply_token_bitmask,
@@ -156,6 +162,18 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 def silu_and_mul(x: Tensor) -> Tensor:
     return _backend_of(x).silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    return _backend_of(x).gelu_tanh_and_mul(x)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None,
+               method: str = "triton") -> Tensor:
+    """x W^T (+ bias) for an e4m3 weight [N, K] with float32 scales [ceil(N / rows), ceil(K / cols)], block =
+    (rows, cols). method "triton": our block-scaled GEMM, x quantized per token and 128 columns inside it;
+    "scaled_mm": x quantized per token, torch._scaled_mm (a scale per weight row: block (1, K))."""
+    return _backend_of(x).fp8_linear(x, weight, weight_scale, block, bias, method)
 
 
 def qkv_prologue(

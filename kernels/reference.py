@@ -163,6 +163,51 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] -> gelu(x[:, :I], tanh approximation) * x[:, I:] (Gemma's gated MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_GROUP_K = 128  # activation columns sharing a scale in the Triton FP8 GEMM
+
+
+def dequantize_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """e4m3 weight [N, K] times its scales [ceil(N / rows), ceil(K / cols)], block = (rows, cols), in dtype
+    (the product is taken in float32)."""
+    rows, cols = block
+    full = scale.float().repeat_interleave(rows, dim=0)[:weight.shape[0]]
+    full = full.repeat_interleave(cols, dim=1)[:, :weight.shape[1]]
+    return (weight.float() * full).to(dtype)
+
+
+def quantize_fp8(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """x [N, K] as e4m3 with one float32 scale per block of (rows, cols), the block's largest magnitude mapped
+    to e4m3's largest: (values [N, K], scales [ceil(N / rows), ceil(K / cols)]). Activations are quantized
+    per token with (1, group) blocks; checkpoints' weights per 128 x 128 block."""
+    rows, cols = block
+    n, k = x.shape
+    padded = F.pad(x.float(), (0, -k % cols, 0, -n % rows))
+    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    values = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:n, :k]
+    return values.contiguous(), scales
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int],
+               bias: Tensor | None = None, method: str = "triton") -> Tensor:
+    """x W^T (+ bias) as the FP8 GEMMs compute it: x quantized to e4m3 per token (per 128 columns for the
+    Triton kernel, per whole row for torch._scaled_mm), times the block-scaled e4m3 weight, in float32."""
+    group = FP8_GROUP_K if method == "triton" else x.shape[1]
+    values, scales = quantize_fp8(x, (1, group))
+    out = dequantize_fp8(values, scales, (1, group), torch.float32) @ dequantize_fp8(
+        weight, weight_scale, block, torch.float32).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 def qkv_prologue(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, eps: float = 1e-6,

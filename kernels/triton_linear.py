@@ -47,6 +47,16 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     release_next(USE_PDL)  # after the loop: faster than at the start at large row counts, slower at small ones
+    store_split_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask,
+                     M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@triton.jit
+def store_split_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask,
+                     M, N, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """Store split `split` of an output tile's float32 sum; the last split of the tile to arrive adds all the
+    partial sums in split order and stores the tile (+ bias) in the output's dtype."""
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, HAS_BIAS)

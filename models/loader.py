@@ -44,11 +44,26 @@ class NameMap:
         return name, None
 
 
+# Rewrites of the decoders' checkpoint names, in order: the text decoder of a multimodal checkpoint (Gemma 3, in
+# transformers 5's and 4's layouts) as a decoder's own; a bare decoder's names (saved without `model.`) with it;
+# fine-grained FP8's block scales as our weight_scale.
+DECODER_REWRITES = (
+    (r"^model\.language_model\.", "model."),
+    (r"^language_model\.model\.", "model."),
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^(?!model\.|lm_head\.)", "model."),
+    (r"\.weight_scale_inv$", ".weight_scale"),
+)
+# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector, and
+# static FP8 activation scales (our FP8 GEMMs scale activations per token as they go).
+DECODER_SKIPPED = r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector)\.|\.input_scale$"
+
+
 def decoder_names(model: nn.Module) -> NameMap:
-    """The decoders' transformers names: a bare decoder's (saved without the `model.` prefix) too, rotary
-    buffers skipped, and the LM head skipped when it is tied to the embeddings."""
-    skip = r"rotary_emb\.inv_freq$" + (r"|^lm_head\.weight$" if model.tie_word_embeddings else "")
-    return NameMap(model.packed_modules, rewrites=((r"^(?!model\.|lm_head\.)", "model."),), skip=skip)
+    """The decoders' transformers names (see DECODER_REWRITES and DECODER_SKIPPED), and the LM head skipped when
+    it is tied to the embeddings."""
+    skip = DECODER_SKIPPED + (r"|^lm_head\.weight$" if model.tie_word_embeddings else "")
+    return NameMap(model.packed_modules, rewrites=DECODER_REWRITES, skip=skip)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -77,13 +92,12 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
     load_weights(model, iterate_safetensors(model_dir, lazy=True), source=model_dir)
 
 
-def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
-    """Every (parameter, slice) the checkpoint must fill."""
-    expected = set()
+def _expected(model: nn.Module, params: dict) -> dict[str, set[int | None]]:
+    """Every parameter the checkpoint must fill, with the slices of it (None: the whole parameter)."""
+    expected = {}
     for name in params:
         module = model.get_submodule(name.rpartition(".")[0])
-        slices = range(len(module.output_sizes)) if hasattr(module, "output_sizes") else (None,)
-        expected.update((name, index) for index in slices)
+        expected[name] = set(range(len(module.output_sizes))) if hasattr(module, "output_sizes") else {None}
     return expected
 
 
@@ -91,7 +105,9 @@ def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str,
                  names: NameMap | None = None) -> None:
     """Copy (checkpoint name, tensor or safetensors slice) pairs into the model; every parameter must be
-    filled exactly. names: the checkpoint's names (by default the decoders' transformers names)."""
+    filled exactly. names: the checkpoint's names (by default the decoders' transformers names); a fused
+    parameter's slice index None means the checkpoint holds it whole (Phi-3's qkv_proj). Then each module's
+    process_weights_after_loading() runs, a module's before its children's."""
     params = dict(model.named_parameters())
     target_of = names or decoder_names(model)
     missing = _expected(model, params)
@@ -111,9 +127,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source
         except ValueError as exc:
             raise ValueError(f"{source}: weight {name!r} {exc}; the checkpoint does not match its config.json") \
                 from None
-        missing.discard(target)
+        if index is None:
+            missing[ours].clear()
+        else:
+            missing[ours].discard(index)
     if unexpected:
         raise ValueError(f"{source}: unexpected weights {sorted(unexpected)[:10]} ({len(unexpected)} in all)")
-    if missing:
-        names = sorted({name for name, _ in missing})
-        raise ValueError(f"{source}: checkpoint lacks weights for {names[:10]} ({len(names)} in all)")
+    lacking = sorted(name for name, slices in missing.items() if slices)
+    if lacking:
+        raise ValueError(f"{source}: checkpoint lacks weights for {lacking[:10]} ({len(lacking)} in all)")
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()

@@ -89,7 +89,8 @@ def test_generation_config_supplies_defaults(tmp_path, smollm2_tokenizer):
 
 
 def test_developer_messages_are_system_messages_and_the_plain_roles_are_taken(model):
-    """The tool role, which needs an assistant's tool call to answer, is tested with tools (test_output_plan.py, test_chat_features.py)."""
+    """The tool role, which needs an assistant's tool call to answer, is tested with tools
+    (test_output_plan.py, test_chat_features.py)."""
     developer = parse_chat_request({"messages": [{"role": "developer", "content": "Be brief."},
                                                  {"role": "user", "content": "hi"}]}, model)
     assert developer.prompt_token_ids == expected_prompt(

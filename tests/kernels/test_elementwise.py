@@ -1,10 +1,10 @@
-"""Triton norm and activation kernels against the torch reference."""
+"""Triton norm and activation (SiLU and tanh-GELU gates) kernels against the torch reference."""
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only
 
 from kernels import reference
-from kernels.triton_activation import silu_and_mul
+from kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.triton_norm import add_rms_norm, rms_norm
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
@@ -44,3 +44,11 @@ def test_add_rms_norm(tokens, hidden, dtype):
 def test_silu_and_mul(tokens, inter, dtype):
     x = torch.randn(tokens, 2 * inter, device=DEVICE).to(dtype)
     assert_close(silu_and_mul(x), reference.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 16), (4, 100), (3, 1500)] + cuda_only((2048, 3072)))
+def test_gelu_tanh_and_mul(tokens, inter, dtype):
+    x = torch.randn(tokens, 2 * inter, device=DEVICE).mul(4).to(dtype)  # into tanh's saturated tails too
+    x[0, :4] = torch.tensor([-60.0, 60.0, -1e-4, 0.0])
+    assert_close(gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x), dtype)

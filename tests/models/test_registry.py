@@ -98,3 +98,23 @@ def test_bare_decoder_checkpoint_loads_without_lm_head(tmp_path):
     assert model.lm_head is None
     with pytest.raises(ValueError, match="no LM head"):
         model.compute_logits(torch.zeros(1, 64))
+
+
+def test_multimodal_checkpoint_in_the_older_layout_loads_the_same(tmp_path):
+    """Gemma 3 multimodal checkpoints saved by transformers 4 name the text decoder language_model.model.* and
+    the head language_model.lm_head.*; the vision tower and projector sit at the top level. Either layout loads
+    the same decoder."""
+    save_tiny_model("gemma3-multimodal", tmp_path / "new")
+    older = {}
+    for name, tensor in load_file(tmp_path / "new" / "model.safetensors").items():
+        for new, old in (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector.")):
+            name = name.replace(new, old, 1) if name.startswith(new) else name
+        older[name] = tensor
+    assert any(name.startswith("vision_tower.") for name in older)
+    (tmp_path / "old").mkdir()
+    save_file(older, tmp_path / "old" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    new, old = (load_model(str(tmp_path / layout), torch.float32, CPU).model.state_dict() for layout in ("new", "old"))
+    assert new.keys() == old.keys() and all(torch.equal(new[name], old[name]) for name in new)
+    assert load_model(str(tmp_path / "old"), torch.float32, CPU).hf_config.model_type == "gemma3_text"
