@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from models.moe import moe_checkpoint_target
 from models.parallel_layers import default_weight_loader
 
 # Checkpoint tensors that are buffers or duplicates, not parameters.
@@ -53,6 +54,8 @@ def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None]
         return None
     if name not in params and not name.startswith(("model.", "lm_head.")):
         name = "model." + name
+    if (routed := moe_checkpoint_target(name)) is not None:
+        return routed
     module_path, _, leaf = name.rpartition(".")
     parent, _, module = module_path.rpartition(".")
     if module in model.packed_modules:
@@ -65,8 +68,11 @@ def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
     """Every (parameter, slice) the checkpoint must fill."""
     expected = set()
     for name in params:
-        module = model.get_submodule(name.rpartition(".")[0])
+        module_path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_path)
         slices = range(len(module.output_sizes)) if hasattr(module, "output_sizes") else (None,)
+        if hasattr(module, "checkpoint_slices"):  # stacked experts (models/moe.py)
+            slices = module.checkpoint_slices(leaf)
         expected.update((name, index) for index in slices)
     return expected
 
