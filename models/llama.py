@@ -21,6 +21,7 @@ from kernels import (
     silu_and_mul,
     varlen_attention,
 )
+from models.moe import MoeMLP, check_moe_tensor_parallel, is_moe_layer
 from models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -30,7 +31,7 @@ from models.parallel_layers import (
 )
 
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -145,12 +146,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoeMLP(config) if is_moe_layer(config, layer_idx) else MLP(config)
 
     def forward(
         self, positions: Tensor, x: Tensor, residual: Tensor | None, meta: AttentionMetadata
@@ -170,7 +171,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -243,6 +244,8 @@ def check_supported(config) -> None:
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     check_tensor_parallel(config, tp_size())
+    if any(is_moe_layer(config, i) for i in range(config.num_hidden_layers)):
+        check_moe_tensor_parallel(config, tp_size())
 
 
 def check_tensor_parallel(config, size: int) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import AutoConfig
 
 # Architectures with an LM head, and bare decoders (no head: embedding models saved as the base model).
-DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 BARE_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS

@@ -220,3 +220,54 @@ def test_two_tensor_parallel_ranks_give_one_ranks_output(checkpoints, name, tmp_
         expected = transformers_block(reference)(x)
     for output in outputs:
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- whole decoders ------------------------------------------------------------------------------------
+
+DECODERS = {  # three layers: routed, dense (mlp_only_layers), routed
+    "qwen3_moe": lambda: qwen3_moe_config(num_hidden_layers=3, mlp_only_layers=[1]),
+}
+PROMPT_LENGTHS = [3, 17, 33, 50]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory):
+    """name -> (checkpoint directory, transformers model), saved once per module."""
+    saved = {}
+
+    def get(name):
+        if name not in saved:
+            path = tmp_path_factory.mktemp(f"decoder-{name}")
+            saved[name] = (str(path), save_random_decoder(DECODERS[name](), path))
+        return saved[name]
+
+    return get
+
+
+def transformers_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():  # an explicit mask: else generate takes the prompt's 0 tokens for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("engine_settings", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 7}],
+                         ids=["plain", "chunked-prefill", "small-kv-pool"])
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_greedy_decoding_matches_transformers(decoders, name, engine_settings):
+    """Whole prompts, prompts in chunks of 8 tokens, and a KV pool of 7 blocks of 16 that holds one request at
+    a time (the others are preempted and recomputed)."""
+    from engine import LLM, SamplingParams
+
+    path, reference = decoders(name)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator).tolist()
+               for n in PROMPT_LENGTHS]
+    llm = LLM(path, dtype="float32", **engine_settings)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = [out["token_ids"] for out in llm.generate(prompts, params)]
+    assert outputs == [transformers_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
+    if "num_kv_blocks" in engine_settings:
+        assert llm.core.scheduler.num_preemptions > 0
