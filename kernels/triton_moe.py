@@ -268,35 +268,53 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tiles: the kernels' tiles (choose_tiles(T) by default)."""
     check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation)
     num_tokens, hidden_size = hidden.shape
-    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
     if not num_tokens:
         return torch.zeros_like(hidden)
     tiles = tiles or choose_tiles(num_tokens)
-    num_rows = num_tokens * top_k
-    sorted_rows, block_experts = align_rows(topk_ids, num_experts, tiles.block_m)
-    num_blocks = block_experts.numel()
-    options = launch_options(hidden)
-    activations = torch.empty((num_blocks * tiles.block_m, inter), dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.gate_up.block_n),)](
-        hidden, w_gate_up, b_gate_up if b_gate_up is not None else w_gate_up, activations, sorted_rows, block_experts,
-        num_rows, hidden.stride(0), inter, hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        CLAMPED_SWIGLU=activation == "clamped_swiglu", ALPHA=swiglu_alpha, LIMIT=swiglu_limit,
-        HAS_BIAS=b_gate_up is not None, BLOCK_M=tiles.block_m,
-        **_gemm_options(tiles.gate_up, hidden_size, hidden.dtype), **options)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32:
-        weights = weights.float()
-    per_slot = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    _down_kernel[(num_blocks * triton.cdiv(hidden_size, tiles.down.block_n),)](
-        activations, w_down, b_down if b_down is not None else w_down, weights, per_slot, sorted_rows, block_experts,
-        num_rows, hidden_size, inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=tiles.block_m,
-        **_gemm_options(tiles.down, inter, hidden.dtype), **options)
+    sorted_rows, block_experts = align_rows(topk_ids, w_gate_up.shape[0], tiles.block_m)
+    activations = expert_activations(hidden, sorted_rows, block_experts, w_gate_up, b_gate_up, top_k, activation,
+                                     swiglu_alpha, swiglu_limit, tiles.block_m, tiles.gate_up)
+    per_slot = weighted_expert_outputs(activations, sorted_rows, block_experts, w_down, b_down, topk_weights,
+                                       tiles.block_m, tiles.down)
     if top_k == 1:
         return per_slot
     return per_slot.view(num_tokens, top_k, hidden_size).sum(1)
+
+
+def expert_activations(hidden: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+                       w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None, top_k: int, activation: str,
+                       swiglu_alpha: float, swiglu_limit: float, block_m: int, tiles: GemmTiles) -> torch.Tensor:
+    """The gate/up GEMM with the activation: [num_blocks * block_m, I], row s for sorted slot s (padding
+    slots unwritten)."""
+    (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w_gate_up.shape
+    inter, num_blocks = two_inter // 2, block_experts.numel()
+    activations = torch.empty((num_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.block_n),)](
+        hidden, w_gate_up, b_gate_up if b_gate_up is not None else w_gate_up, activations, sorted_rows, block_experts,
+        num_tokens * top_k, hidden.stride(0), inter, hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts,
+        CLAMPED_SWIGLU=activation == "clamped_swiglu", ALPHA=swiglu_alpha, LIMIT=swiglu_limit,
+        HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m, **_gemm_options(tiles, hidden_size, hidden.dtype),
+        **launch_options(hidden))
+    return activations
+
+
+def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+                            w_down: torch.Tensor, b_down: torch.Tensor | None, topk_weights: torch.Tensor,
+                            block_m: int, tiles: GemmTiles) -> torch.Tensor:
+    """The down GEMM with bias and top-k weight: [T * k, H], row r for token r // k's slot r % k."""
+    (num_experts, hidden_size, inter), num_rows = w_down.shape, topk_weights.numel()
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    per_slot = torch.empty((num_rows, hidden_size), dtype=activations.dtype, device=activations.device)
+    _down_kernel[(block_experts.numel() * triton.cdiv(hidden_size, tiles.block_n),)](
+        activations, w_down, b_down if b_down is not None else w_down, weights, per_slot, sorted_rows, block_experts,
+        num_rows, hidden_size, inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=block_m,
+        **_gemm_options(tiles, inter, activations.dtype), **launch_options(activations))
+    return per_slot
 
 
 def check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation) -> None:
