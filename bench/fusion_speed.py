@@ -2,9 +2,10 @@
 speed against the separate launches it replaces.
 
 Run on a CUDA machine from the repo root:  PYTHONPATH=. python3 bench/fusion_speed.py
-q_norm + k_norm (with the copies their reshapes make) + rotary + store_kv_cache as four Triton launches,
-against the one fused launch. "eager" is do_bench's median with the host launching every call (what a
-prefill pays); "graph" is GPU time alone (20 calls replayed from a CUDA graph, what decode pays).
+q_norm + k_norm (with the copies their reshapes make) + rotary + store_kv_cache as four Triton launches (the
+last two from bench/unfused_prologue.py), against the one fused launch. "eager" is do_bench's median with the
+host launching every call (what a prefill pays); "graph" is GPU time alone (20 calls replayed from a CUDA
+graph, what decode pays).
 Cases that fail are reported, not fatal; the exit status is 1 if any did.
 """
 import sys
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels import reference, triton_kv_cache, triton_norm, triton_prologue, triton_rotary
+from kernels import reference, triton_norm, triton_prologue
+from unfused_prologue import apply_rotary, store_kv_cache
 
 DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -70,7 +72,7 @@ def prologue_inputs(tokens):
 
 
 def separate_prologue(qkv, positions, cos_sin, norms, k_cache, v_cache, slots):
-    """What Attention.forward did before the fusion, kernel for kernel."""
+    """What Attention.forward did before the fusion, kernel for kernel (bench/unfused_prologue.py)."""
     num_tokens = qkv.shape[0]
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q = q.view(num_tokens, HEADS, HEAD_DIM)
@@ -78,8 +80,8 @@ def separate_prologue(qkv, positions, cos_sin, norms, k_cache, v_cache, slots):
     v = v.view(num_tokens, KV_HEADS, HEAD_DIM)
     q = triton_norm.rms_norm(q.reshape(-1, HEAD_DIM), norms[0], EPS).view(q.shape)
     k = triton_norm.rms_norm(k.reshape(-1, HEAD_DIM), norms[1], EPS).view(k.shape)
-    q, k = triton_rotary.apply_rotary(q, k, positions, cos_sin)
-    triton_kv_cache.store_kv_cache(k, v, k_cache, v_cache, slots)
+    q, k = apply_rotary(q, k, positions, cos_sin)
+    store_kv_cache(k, v, k_cache, v_cache, slots)
     return q
 
 
@@ -106,6 +108,17 @@ def check_prologue():
                 close(k2, k_ref)
                 assert torch.equal(v2, v_ref)
             check(f"prologue T={tokens} qk_norm={qk_norm}", case)
+        check(f"unfused baseline T={tokens}", lambda tokens=tokens: check_baseline(tokens))
+
+
+def check_baseline(tokens):
+    """The separate launches compute what the fused prologue does (so the timings compare like with like)."""
+    qkv, positions, cos_sin, norms, (kc, vc, kr, vr), slots = prologue_inputs(tokens)
+    q = separate_prologue(qkv, positions, cos_sin, norms, kc, vc, slots)
+    q_ref, _, _ = reference.qkv_prologue(qkv, positions, cos_sin, HEADS, KV_HEADS, *norms, EPS, kr, vr, slots)
+    close(q, q_ref)
+    close(kc, kr)
+    assert torch.equal(vc, vr), "v cache differs"
 
 
 def time_prologue():

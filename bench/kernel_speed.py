@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repo root:  PYTHONPATH=. python3 bench/kernel_speed.py
 Every case runs with freshly allocated outputs poisoned with NaN, so an element a kernel forgets to write
 fails the check. Timings are do_bench medians; bandwidth is the bytes a kernel must move divided by its
-time, against the H100's measured 3.0 TB/s copy bandwidth. Failures are reported per case, not fatal.
+time, against PEAK_BYTES_PER_S (an H100's copy bandwidth). Failures are reported per case, not fatal.
 """
 import contextlib
 import sys
@@ -137,31 +137,11 @@ def check_correctness(report, reference, triton_attention, elementwise, paged_ba
                 for a, b in zip(elementwise["add_rms_norm"](x, r, w, 1e-6), reference.add_rms_norm(x, r, w, 1e-6)):
                     close(a, b, dtype)
 
-            def rotary(tokens=tokens, dtype=dtype):
-                q = torch.randn(tokens, 16, 128, device="cuda", dtype=dtype)
-                k = torch.randn(tokens, 8, 128, device="cuda", dtype=dtype)
-                pos = torch.randint(0, 8192, (tokens,), device="cuda")
-                cos_sin = torch.randn(8192, 128, device="cuda")
-                expected = reference.apply_rotary(q, k, pos, cos_sin)
-                for a, b in zip(elementwise["apply_rotary"](q, k, pos, cos_sin), expected):
-                    close(a, b, dtype)
-
             def silu(tokens=tokens, dtype=dtype):
                 x = torch.randn(tokens, 2 * 3072, device="cuda", dtype=dtype)
                 return close(elementwise["silu_and_mul"](x), reference.silu_and_mul(x), dtype)
 
-            def store(tokens=tokens, dtype=dtype):
-                k, v = (torch.randn(tokens, 8, 128, device="cuda", dtype=dtype) for _ in range(2))
-                slots = torch.randperm(1024 * 16, device="cuda")[:tokens]
-                slots[::3] = -1
-                caches = [torch.full((1024, 16, 8, 128), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
-                elementwise["store_kv_cache"](k, v, caches[0], caches[1], slots)
-                reference.store_kv_cache(k, v, caches[2], caches[3], slots)
-                torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
-                torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
-
-            for name, fn in (("rms_norm+add", norms), ("rotary", rotary), ("silu_and_mul", silu),
-                             ("store_kv_cache", store)):
+            for name, fn in (("rms_norm+add", norms), ("silu_and_mul", silu)):
                 report.check(f"{name} {dtype} T{tokens}", fn)
 
 
@@ -230,33 +210,20 @@ def measure_speed(report, triton_attention, elementwise):
                     num_bytes=2 * x.numel() * elem)
         report.time("add_rms_norm", f"T{tokens} H{hidden}", lambda: elementwise["add_rms_norm"](x, r, w, 1e-6),
                     num_bytes=4 * x.numel() * elem)
-        qr = torch.randn(tokens, n_q, d, device="cuda", dtype=DTYPE)
-        kr = torch.randn(tokens, n_kv, d, device="cuda", dtype=DTYPE)
-        pos = torch.randint(0, 8192, (tokens,), device="cuda")
-        cos_sin = torch.randn(8192, d, device="cuda")
-        report.time("rotary", f"T{tokens} {n_q}q/{n_kv}kv x{d}",
-                    lambda: elementwise["apply_rotary"](qr, kr, pos, cos_sin),
-                    num_bytes=2 * (qr.numel() + kr.numel()) * elem + tokens * d * 4)
         xs = torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE)
         report.time("silu_and_mul", f"T{tokens} I{inter}", lambda: elementwise["silu_and_mul"](xs),
                     num_bytes=3 * tokens * inter * elem)
-        ks, vs = (torch.randn(tokens, n_kv, d, device="cuda", dtype=DTYPE) for _ in range(2))
-        kc, vc = (torch.empty(tokens // 16 + 1, 16, n_kv, d, device="cuda", dtype=DTYPE) for _ in range(2))
-        slots = torch.randperm(tokens, device="cuda")
-        report.time("store_kv_cache", f"T{tokens} {n_kv}kv x{d}",
-                    lambda: elementwise["store_kv_cache"](ks, vs, kc, vc, slots), num_bytes=4 * ks.numel() * elem)
 
 
 def main():
     if not torch.cuda.is_available():
         sys.exit("bench/kernel_speed.py needs a CUDA GPU (the Triton kernels are tested on CPU by tests/kernels)")
-    from kernels import reference, triton_activation, triton_attention, triton_kv_cache, triton_norm, triton_rotary
+    from kernels import reference, triton_activation, triton_attention, triton_norm
     from tests.kernels.kernel_testing import paged_batch
 
     elementwise = dict(
         rms_norm=triton_norm.rms_norm, add_rms_norm=triton_norm.add_rms_norm,
-        apply_rotary=triton_rotary.apply_rotary, silu_and_mul=triton_activation.silu_and_mul,
-        store_kv_cache=triton_kv_cache.store_kv_cache,
+        silu_and_mul=triton_activation.silu_and_mul,
     )
     torch.manual_seed(0)
     report = Report()

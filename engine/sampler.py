@@ -3,12 +3,12 @@
 Order (as vLLM and the OpenAI API define it): repetition penalty (prompt and output tokens), frequency
 and presence penalties (output tokens), then greedy rows take the argmax; the others divide by their
 temperature, drop tokens under min_p * max probability, outside the top k, and outside the top-p
-nucleus, and draw with the exponential-race trick argmax(p / q), q ~ Exp(1). The race lets each seeded
-request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
+nucleus, and draw from what is left.
 
-A batch that asks only for temperature (the common case) is drawn in one pass over the logits instead
-(kernels.gumbel_argmax: Gumbel-max with noise keyed per row); a seeded request's key is its seed and the
-position of the token drawn, so its tokens still depend on nothing else.
+Every draw is Gumbel-max with noise keyed per row (kernels.gumbel_argmax, one pass over the logits): a batch
+that asks only for temperature (the common case) draws from its logits as they are, any other batch from its
+logits with the dropped tokens set to -inf. A seeded request's key is a hash of its seed and the position of
+the token drawn, so its tokens depend on its seed, its positions and its own settings, never on its batch.
 """
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ class SamplingPlan:
             self.temperature, self.top_p, self.min_p, self.top_k, greedy = uploads.upload(values)
             self.greedy = greedy.bool()
             self.temperature_or_zero = torch.where(self.greedy, 0.0, self.temperature)
-        self.one_pass = not (self.uses_min_p or self.uses_top_k_top_p)
+        self.uses_masks = self.uses_min_p or self.uses_top_k_top_p
         self.penalty_counts: PenaltyCounts | None = None  # made at the batch's first penalised step
 
 
@@ -71,12 +71,8 @@ class PenaltyCounts:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None):
+        """seed: where unseeded requests' keys come from (None: fresh randomness)."""
         self.device = device
-        self.generator = torch.Generator(device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
         self.row_seed_source = np.random.default_rng(seed)
         self.uploads = UploadRing(device)
         self.planned_seqs: list[Sequence] = []
@@ -87,22 +83,17 @@ class Sampler:
         """logits [N, V] (any float dtype; bf16 from a bf16 model), one row per request -> int64 [N] token ids,
         on the device. ahead: how many tokens each request (or every request) has drawn beyond its token_ids
         (a step launched before the last one finished). Every path computes in float32: the argmax and the
-        one-pass kernel read bf16 exactly, the temperature division promotes, penalties take a float32 copy."""
+        Gumbel-max kernel read bf16 exactly, the temperature division promotes, penalties and masks take a
+        float32 copy."""
         plan = self.plan_for(seqs)
         if plan.penalised:
             logits = self.apply_penalties(logits.float(), seqs)
         if plan.all_greedy:
             return logits.argmax(-1)
-        if plan.one_pass:
-            return self.sample_in_one_pass(logits, seqs, plan, ahead)
-        probs = torch.softmax(logits / plan.temperature[:, None], dim=-1)
-        if plan.uses_min_p:
-            probs = probs.masked_fill(probs < plan.min_p[:, None] * probs.amax(-1, keepdim=True), 0)
-        if plan.uses_top_k_top_p:
-            probs = top_k_top_p(probs, plan.top_k, plan.top_p)
-        noise = self.exponential_noise(probs, seqs, plan.seeded_rows)
-        sampled = (probs / noise).argmax(-1)
-        if plan.any_greedy:
+        if not plan.uses_masks:
+            return self.draw(logits, seqs, plan, ahead)
+        sampled = self.draw(logits.float().masked_fill(self.dropped(logits, plan), float("-inf")), seqs, plan, ahead)
+        if plan.any_greedy:  # a greedy row's own argmax, whatever the masks keep of a tie
             sampled = torch.where(plan.greedy, logits.argmax(-1), sampled)
         return sampled
 
@@ -112,10 +103,9 @@ class Sampler:
             self.planned_seqs, self.plan = list(seqs), SamplingPlan(seqs, self.uploads)
         return self.plan
 
-    def sample_in_one_pass(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan,
-                           ahead: int | list[int]) -> Tensor:
-        """Gumbel-max over each row; a row's Philox key is fresh randomness, or for a seeded request a hash of
-        its seed and the position of the token it draws."""
+    def draw(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int | list[int]) -> Tensor:
+        """Gumbel-max over each row of logits / temperature (greedy rows: the argmax); a row's noise key is
+        fresh randomness, or for a seeded request a hash of its seed and the position of the token it draws."""
         seeds = self.row_seed_source.integers(0, INT63, size=len(seqs), dtype=np.int64)
         for row in plan.seeded_rows:
             seq = seqs[row]
@@ -123,15 +113,17 @@ class Sampler:
             seeds[row] = (seq.params.seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % INT63
         return kernels.gumbel_argmax(logits, plan.temperature_or_zero, self.uploads.upload(seeds))
 
-    def exponential_noise(self, probs: Tensor, seqs: list[Sequence], seeded_rows: list[int]) -> Tensor:
-        """Exp(1) noise; the rows of seeded requests draw from their own generators."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row in seeded_rows:
-            seq = seqs[row]
-            if seq.generator is None:
-                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-            noise[row].exponential_(generator=seq.generator)
-        return noise.clamp_(min=1e-20)  # a zero draw would turn a masked token's 0 / 0 into NaN
+    @staticmethod
+    def dropped(logits: Tensor, plan: SamplingPlan) -> Tensor:
+        """Which tokens min_p, top_k and top_p take out of each row, judged on its tempered probabilities; a row
+        that asks for none of them keeps every token."""
+        probs = torch.softmax(logits / plan.temperature[:, None], dim=-1)
+        dropped = torch.zeros_like(probs, dtype=torch.bool)
+        if plan.uses_min_p:
+            dropped = probs < plan.min_p[:, None] * probs.amax(-1, keepdim=True)
+        if plan.uses_top_k_top_p:
+            dropped |= outside_top_k_top_p(probs, plan.top_k, plan.top_p)
+        return dropped
 
     def apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """Penalised copy of logits, from the batch's token counts (PenaltyCounts)."""
@@ -161,11 +153,12 @@ def add_token_counts(counts: Tensor, token_lists: list[list[int]], uploads: Uplo
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
-def top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Zeroes probabilities outside each row's top k (0: all) and its top-p nucleus (always keeps the top one)."""
+def outside_top_k_top_p(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """True for the tokens outside each row's top k (0: all) and outside its top-p nucleus (1: all); the most
+    probable token always stays."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=probs.device)
     cumulative = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-    drop = (cumulative >= top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) & (rank > 0)
+    drop = (cumulative >= top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) & (rank > 0) & (top_p[:, None] < 1)
     drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
+    return torch.zeros_like(drop).scatter(1, order, drop)

@@ -1,8 +1,6 @@
 """One request as the engine tracks it: its tokens, how many of them have KV in the cache, and its blocks."""
 from enum import Enum, auto
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -19,7 +17,7 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "status", "params", "stop_token_ids",
-                 "max_len", "generator", "finish_reason", "error")
+                 "max_len", "finish_reason", "error")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
@@ -37,7 +35,6 @@ class Sequence:
                                                                   else frozenset(eos_token_ids))
         limit = max_model_len if params.max_tokens is None else self.num_prompt_tokens + params.max_tokens
         self.max_len = min(limit, max_model_len)
-        self.generator: torch.Generator | None = None  # created by the sampler on first use when seeded
         self.finish_reason: str | None = None
         self.error: str | None = None
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.reference import dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
     "linear",
@@ -22,12 +23,14 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "fp8_linear",
     "qkv_prologue",
     "gumbel_argmax",
     "select_experts",
     "fused_moe",
 )
-__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention"]
+__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 
@@ -41,6 +44,7 @@ def _backend(device_type: str) -> SimpleNamespace:
     from kernels import (
         triton_activation,
         triton_attention,
+        triton_fp8_gemm,
         triton_linear,
         triton_moe,
         triton_norm,
@@ -55,6 +59,8 @@ def _backend(device_type: str) -> SimpleNamespace:
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
         silu_and_mul=triton_activation.silu_and_mul,
+        gelu_tanh_and_mul=triton_activation.gelu_tanh_and_mul,
+        fp8_linear=triton_fp8_gemm.fp8_linear,
         qkv_prologue=triton_prologue.qkv_prologue,
         gumbel_argmax=triton_sampling.gumbel_argmax,
         select_experts=triton_moe.select_experts,
@@ -73,30 +79,43 @@ def _backend_of(tensor: Tensor) -> SimpleNamespace:
 
 
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
-    triton_paged_attention = backend.paged_attention
+    """flash-attn for attention without sinks (it has none) on caches whose blocks it can read; our Triton
+    kernels otherwise. A window maps to window_size=(window - 1, 0): the query itself and window - 1 keys
+    before it. flash-attn reads keys in tiles that divide its 256-token blocks, so it never reads a block
+    wholly before a query's window (a freed one)."""
+    triton_paged_attention, triton_varlen_attention = backend.paged_attention, backend.varlen_attention
 
-    def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE:
-            return triton_paged_attention(q, k_cache, v_cache, meta, scale)
+    def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                        window: int, sinks: Tensor | None) -> Tensor:
+        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None:
+            return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
+                softmax_scale=scale, causal=True, window_size=_flash_window(window),
             )
             return out.squeeze(1)
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return flash_attn.flash_attn_varlen_func(
             q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            softmax_scale=scale, causal=True, block_table=meta.block_tables, window_size=_flash_window(window),
         )
 
-    def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal):
+    def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, window, sinks):
+        if sinks is not None:
+            return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, window, sinks)
         return flash_attn.flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
+            window_size=_flash_window(window),
         )
 
     return SimpleNamespace(**{**vars(backend), "paged_attention": paged_attention,
                               "varlen_attention": varlen_attention, "fused_decode": None})
+
+
+def _flash_window(window: int) -> tuple[int, int]:
+    """flash-attn's (left, right) reach of a query: (-1, -1) is unlimited (the causal flag bounds the right)."""
+    return (window - 1, 0) if window else (-1, -1)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -104,14 +123,36 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _backend_of(x).linear(x, weight, bias)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale)
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    window: int = 0, sinks: Tensor | None = None) -> Tensor:
+    """Causal attention of q [T, n_q, D] over the paged cache as meta describes -> [T, n_q, D].
+
+    window > 0: a query at position q sees the keys at q - window < p <= q only (transformers' sliding_window);
+    the blocks before its window are never read, so they may have been freed. sinks [n_q]: one logit per
+    query head that joins the softmax's denominator only (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink +
+    sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
+    check_window_and_sinks(window, sinks, q.shape[1], causal=True)
+    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool,
+    window: int = 0, sinks: Tensor | None = None,
 ) -> Tensor:
-    return _backend_of(q).varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    """Attention within each sequence of a packed batch, no cache; window (causal only) and sinks as in
+    paged_attention."""
+    check_window_and_sinks(window, sinks, q.shape[1], causal)
+    return _backend_of(q).varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, window, sinks)
+
+
+def check_window_and_sinks(window: int, sinks: Tensor | None, num_q_heads: int, causal: bool) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer >= 0 (0: full attention), got {window!r}")
+    if window and not causal:
+        raise ValueError("a sliding window needs causal attention (causal=True)")
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks must hold one logit per query head: shape ({num_q_heads},), got "
+                         f"{tuple(sinks.shape)}")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -124,6 +165,18 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 def silu_and_mul(x: Tensor) -> Tensor:
     return _backend_of(x).silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    return _backend_of(x).gelu_tanh_and_mul(x)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None,
+               method: str = "triton") -> Tensor:
+    """x W^T (+ bias) for an e4m3 weight [N, K] with float32 scales [ceil(N / rows), ceil(K / cols)], block =
+    (rows, cols). method "triton": our block-scaled GEMM, x quantized per token and 128 columns inside it;
+    "scaled_mm": x quantized per token, torch._scaled_mm (a scale per weight row: block (1, K))."""
+    return _backend_of(x).fp8_linear(x, weight, weight_scale, block, bias, method)
 
 
 def qkv_prologue(
@@ -150,18 +203,19 @@ def qkv_prologue(
 def qkv_paged_attention(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, window: int = 0, sinks: Tensor | None = None,
 ) -> Tensor:
-    """qkv_prologue, storing the step's keys and values in the paged cache, then paged_attention: q [T, n_q, D]
-    attended. A decode step on CUDA without flash-attn runs both in the decode attention kernel (one launch
-    less per layer; Triton's qkv_decode_attention)."""
+    """qkv_prologue, storing the step's keys and values in the paged cache, then paged_attention (with its
+    window and sinks): q [T, n_q, D] attended. A decode step on CUDA without flash-attn runs both in the decode
+    attention kernel (one launch less per layer; Triton's qkv_decode_attention)."""
+    check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
     if meta.is_decode and backend.fused_decode is not None:
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
-                                    k_cache, v_cache, meta, scale)
+                                    k_cache, v_cache, meta, scale, window=window, sinks=sinks)
     q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
                            eps, k_cache, v_cache, meta.slot_mapping, return_kv=False)
-    return backend.paged_attention(q, k_cache, v_cache, meta, scale)
+    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:

@@ -18,34 +18,73 @@ def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
-    """Attention over [B, L, heads, D] tensors, GQA by head groups; causal aligns the last query with the last key."""
+def _visible(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """[..., Lq, Lk] bool from query positions [..., Lq] and key positions [..., Lk]: a query at q sees the key at
+    p when p <= q and, with a window, q - window < p (the last `window` positions, its own included)."""
+    q_pos, k_pos = q_pos[..., :, None], k_pos[..., None, :]
+    visible = k_pos <= q_pos
+    return visible & (k_pos > q_pos - window) if window else visible
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, sinks: Tensor | None) -> Tensor:
+    """Attention over [B, L, heads, D] tensors, GQA by head groups; mask [B, Lq, Lk] (True: visible) or None.
+
+    sinks [n_q]: one logit per query head that joins each softmax's denominator and nothing else (gpt-oss)."""
     dtype = q.dtype
     q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
-    if mask is None and causal and q.shape[2] != k.shape[2]:
-        q_pos = torch.arange(k.shape[2] - q.shape[2], k.shape[2], device=q.device)
-        mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=True
-    )
+    mask = None if mask is None else mask[:, None]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = _attend_with_sinks(q, k, v, scale, mask, sinks)
     return out.transpose(1, 2).to(dtype)
 
 
-def _gather_context(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
-    """The first `length` cached tokens of each sequence: block_table [..., n] -> [..., length, n_kv, D]."""
+def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, sinks: Tensor) -> Tensor:
+    """softmax over [scores, sink] with the sink's column dropped: q [B, n_q, Lq, D], k/v [B, n_kv, Lk, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    peak = torch.maximum(scores.amax(-1, keepdim=True), sink)
+    weights = torch.exp(scores - peak)
+    return (weights @ v) / (weights.sum(-1, keepdim=True) + torch.exp(sink - peak))
+
+
+def _gather_blocks(cache: Tensor, tables: Tensor, first_blocks: Tensor, ends: Tensor, num_blocks: int
+                   ) -> tuple[Tensor, Tensor]:
+    """Blocks first_blocks[b] .. first_blocks[b] + num_blocks - 1 of each row b of tables [B, n], a row whose
+    context (ends[b] keys) ends sooner repeating its last block: the keys (or values) [B, num_blocks *
+    block_size, n_kv, D] and their positions [B, num_blocks * block_size] (repeats have positions past the
+    context, for the caller's mask to hide). Only the blocks that hold a row's keys from first_blocks on are
+    read: those before the window may have been freed, and table padding is no block at all."""
     block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = cache[block_table[..., :num_blocks].clamp(min=0)]
-    return blocks.flatten(-4, -3)[..., :length, :, :]
+    columns = first_blocks[:, None].long() + torch.arange(num_blocks, device=cache.device)
+    last = (ends.long() - 1).clamp(min=0)[:, None] // block_size
+    ids = tables.gather(1, torch.minimum(columns, last)).clamp(min=0)
+    positions = (columns[..., None] * block_size + torch.arange(block_size, device=cache.device)).flatten(1)
+    return cache[ids].flatten(1, 2), positions
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """Causal attention of the step's queries [T, n_q, D] over each sequence's cached keys and values.
+def _first_blocks(first_query_pos: Tensor, window: int, block_size: int) -> Tensor:
+    """The block of the earliest key a query at first_query_pos (or later) can see."""
+    if not window:
+        return torch.zeros_like(first_query_pos)
+    return (first_query_pos - window + 1).clamp(min=0) // block_size
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    window: int = 0, sinks: Tensor | None = None) -> Tensor:
+    """Causal attention of the step's queries [T, n_q, D] over each sequence's cached keys and values; with a
+    window, a query at position q sees keys q - window < p <= q only (blocks before them are never read).
 
     Decode tokens (one query per sequence) are batched together, padding keys to the longest context;
     prefill chunks run one sequence at a time so no [T, T] score matrix spans unrelated sequences.
     """
     out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
     starts = meta.cu_seqlens_q[:-1].tolist()
     q_lens = meta.cu_seqlens_q.diff().tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -53,29 +92,41 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     if decodes:
         rows = torch.tensor(decodes, device=q.device)
         tokens = meta.cu_seqlens_q[rows].long()
-        max_len = max(seq_lens[b] for b in decodes)
+        q_pos = meta.seq_lens[rows].long() - 1
+        first = _first_blocks(q_pos, window, block_size)
+        num_blocks = int((-(-(q_pos + 1) // block_size) - first).max())
         tables = meta.block_tables[rows]
-        k = _gather_context(k_cache, tables, max_len)
-        v = _gather_context(v_cache, tables, max_len)
-        mask = torch.arange(max_len, device=q.device) < meta.seq_lens[rows, None]
-        out[tokens] = _attend(q[tokens, None], k, v, scale, mask=mask[:, None, None, :]).squeeze(1)
+        k, k_pos = _gather_blocks(k_cache, tables, first, q_pos + 1, num_blocks)
+        v, _ = _gather_blocks(v_cache, tables, first, q_pos + 1, num_blocks)
+        mask = _visible(q_pos[:, None], k_pos, window)
+        out[tokens] = _attend(q[tokens, None], k, v, scale, mask, sinks).squeeze(1)
     for b, (start, n, length) in enumerate(zip(starts, q_lens, seq_lens)):
         if n > 1:
-            k = _gather_context(k_cache, meta.block_tables[b], length)
-            v = _gather_context(v_cache, meta.block_tables[b], length)
-            out[start : start + n] = _attend(q[None, start : start + n], k[None], v[None], scale)[0]
+            q_pos = torch.arange(length - n, length, device=q.device)
+            first = _first_blocks(q_pos[:1], window, block_size)
+            table = meta.block_tables[b : b + 1]
+            num_blocks = -(-length // block_size) - int(first)
+            k, k_pos = _gather_blocks(k_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
+            v, _ = _gather_blocks(v_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
+            mask = _visible(q_pos, k_pos[0], window)[None]
+            out[start : start + n] = _attend(q[None, start : start + n], k, v, scale, mask, sinks)[0]
     return out
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, causal: bool,
+    window: int = 0, sinks: Tensor | None = None,
 ) -> Tensor:
-    """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], no cache."""
+    """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], no cache; window and
+    sinks as in paged_attention (the window applies to causal attention only)."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            out[start:end] = _attend(q[None, start:end], k[None, start:end], v[None, start:end], scale, causal)[0]
+            positions = torch.arange(end - start, device=q.device)
+            mask = _visible(positions, positions, window)[None] if causal else None
+            out[start:end] = _attend(q[None, start:end], k[None, start:end], v[None, start:end], scale, mask,
+                                     sinks)[0]
     return out
 
 
@@ -144,6 +195,48 @@ def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up:
         y = F.linear(y, w_down[expert], None if b_down is None else b_down[expert])
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] -> gelu(x[:, :I], tanh approximation) * x[:, I:] (Gemma's gated MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_GROUP_K = 128  # activation columns sharing a scale in the Triton FP8 GEMM
+
+
+def dequantize_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """e4m3 weight [N, K] times its scales [ceil(N / rows), ceil(K / cols)], block = (rows, cols), in dtype
+    (the product is taken in float32)."""
+    rows, cols = block
+    full = scale.float().repeat_interleave(rows, dim=0)[:weight.shape[0]]
+    full = full.repeat_interleave(cols, dim=1)[:, :weight.shape[1]]
+    return (weight.float() * full).to(dtype)
+
+
+def quantize_fp8_rows(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """x [M, K] as e4m3 with one float32 scale per row and per `group` columns (the largest magnitude of each
+    group maps to e4m3's largest): (values [M, K], scales [M, ceil(K / group)])."""
+    groups = -(-x.shape[1] // group)
+    padded = F.pad(x.float(), (0, groups * group - x.shape[1])).view(x.shape[0], groups, group)
+    scales = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    values = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(x.shape[0], -1)[:, :x.shape[1]]
+    return values, scales
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int],
+               bias: Tensor | None = None, method: str = "triton") -> Tensor:
+    """x W^T (+ bias) as the FP8 GEMMs compute it: x quantized to e4m3 per token (per 128 columns for the
+    Triton kernel, per whole row for torch._scaled_mm), times the block-scaled e4m3 weight, in float32."""
+    group = FP8_GROUP_K if method == "triton" else x.shape[1]
+    values, scales = quantize_fp8_rows(x, group)
+    out = dequantize_fp8(values, scales, (1, group), torch.float32) @ dequantize_fp8(
+        weight, weight_scale, block, torch.float32).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
 
 
 def qkv_prologue(

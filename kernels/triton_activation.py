@@ -1,14 +1,17 @@
-"""Triton SiLU-and-multiply for gated MLPs."""
+"""Triton gated activations for MLPs: act(gate) * up, with SiLU (Llama, Qwen, Phi-3) or tanh-approximated
+GELU (Gemma)."""
 import torch
 import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 
+SQRT_2_OVER_PI = 0.7978845608028654
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                        GELU_TANH: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -16,14 +19,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
     mask = offs < INTER
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU_TANH:
+        inner = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 where exp overflows or vanishes
+        y = 0.5 * gate * (1.0 + tanh) * up
+    else:
+        y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], computed in float32."""
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
+        raise ValueError(f"a gated activation needs an even last dimension, got {x.shape[-1]}")
     inter = x.shape[-1] // 2
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -31,6 +38,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), 1024)
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4, **launch_options(x2))
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, GELU_TANH=gelu_tanh, num_warps=4,
+            **launch_options(x2))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], computed in float32."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> gelu(x[..., :I], tanh approximation) * x[..., I:], computed in float32."""
+    return _act_and_mul(x, gelu_tanh=True)

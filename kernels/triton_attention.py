@@ -8,7 +8,7 @@ once per KV head and multiplied against every query head that shares it.
 - decode (`meta.is_decode`): one program per (sequence, KV head, split); the group's queries are padded to
   16 rows for tl.dot. Contexts are cut into splits (flash-decoding), more when batch * kv_heads cannot fill
   the GPU; the split that finishes last merges the partial outputs by their log-sum-exp, in the same kernel
-  (a merge kernel of its own cost 2-4 us per layer, 0.05-0.1 ms per step on an H100). A split is a chunk of
+  (a merge kernel of its own would add a launch per layer). A split is a chunk of
   the batch's longest context, found on the device from seq_lens, so the result never depends on
   meta.max_seqlen_k being exact (a CUDA graph captured at one length replays correctly at another).
   meta.seq_order, when given, is the order the sequences' programs start in (the engine stages longest
@@ -19,6 +19,13 @@ once per KV head and multiplied against every query head that shares it.
   Keys come through the block table, the causal mask is applied only on the tiles that straddle the
   diagonal, and tiles past it are never read.
 - varlen_attention: the same program reading keys and values from contiguous [T, n_kv, D] tensors.
+
+A sliding window (`window` > 0, WINDOW) moves where the keys start: a decode program reads only the last
+`window` keys of its sequence (its splits share them, so decode reads fewer bytes rather than masking more),
+and a prefill tile starts at its first row's window, masking the window's edge on the tiles that straddle it,
+as the diagonal. No key before a query's window is read, so the engine may free those blocks. Sinks (one
+logit per query head, HAS_SINKS) join each softmax's denominator once: at the end of a program whose keys are
+all of the query's, or in the merge of a decode's splits.
 
 Grids and scratch shapes come from host-side values only (no .item()), so every path can be graph-captured.
 """
@@ -48,14 +55,16 @@ def _key_rows(table_ptr, key_base, keys, key_mask, BLOCK_SIZE: tl.constexpr, PAG
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, qk_scale,
+    acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold keys [lo, hi) into the running (acc, m_i, l_i). k_ptr/v_ptr already point at the KV head.
+    """Fold keys [lo, hi) into the running (acc, m_i, l_i). k_ptr/v_ptr already point at the KV head. Tiles
+    start at lo (any key: the block table is read per key), so no key before lo is read.
 
     MASK False: every key in range is visible to every row and hi - lo is a multiple of BLOCK_N.
-    MASK True: keys >= hi are masked, and with CAUSAL so are keys past each row's position.
+    MASK True: keys >= hi are masked, with CAUSAL so are keys past each row's position, and with WINDOW
+    those at or before row_pos - window; a row may then see no key of a tile (its maximum stays -inf).
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -72,10 +81,15 @@ def _attend(
             visible = key_mask[None, :]
             if CAUSAL:
                 visible = visible & (keys[None, :] <= row_pos[:, None])
+            if WINDOW:
+                visible = visible & (keys[None, :] > row_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = m_new
+        if MASK:  # a row that has seen no key yet keeps m -inf: subtract 0 there, not -inf (-inf - -inf: NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
             v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :], mask=key_mask[:, None], other=0.0)
@@ -84,6 +98,19 @@ def _attend(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS: tl.constexpr):
+    """acc / l_i, the rows' softmax denominators joined by their heads' sink logits when HAS_SINKS (natural
+    log units, as the scores before the base-2 scale: hence log2(e)); rows that saw no key come out 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit
@@ -108,13 +135,14 @@ def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NO
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, arrivals_ptr, qk_scale, num_splits,
+    part_lse_ptr, arrivals_ptr, qk_scale, num_splits, window, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
     cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr,
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -132,21 +160,27 @@ def _decode_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     out_group = out_ptr + seq.to(tl.int64) * stride_ot + kv_head * GROUP * stride_oh  # the group's output heads
-    chunk = seq_len
+    # The keys read: the last `window` of the context with a WINDOW (earlier blocks may be freed), else all.
+    span = seq_len
+    if WINDOW:
+        span = tl.minimum(seq_len, window)
+    chunk = span
     if SPLIT:
-        # Every split is a chunk of the batch's longest context: a sequence takes as many as its length
-        # needs, so the programs do equal work and none runs long after the others (cutting each
-        # sequence into equal parts kept a long sequence's parts long: 8-24% slower on varied lengths).
-        # Splits that only BALANCE a full GPU are at least the mean length: equal lengths are not cut.
+        # Every split is a chunk of the batch's longest span: a sequence takes as many as its span needs,
+        # so the programs do equal work and none runs long after the others (cutting each sequence into
+        # equal parts kept a long sequence's parts long, slower on varied lengths).
+        # Splits that only BALANCE a full GPU are at least the mean span: equal spans are not cut.
         lens = tl.arange(0, LENS_BLOCK)
-        batch_lens = tl.load(seq_lens_ptr + lens, mask=lens < num_seqs, other=0)
-        chunk = tl.cdiv(tl.max(batch_lens, 0), num_splits)
+        batch_spans = tl.load(seq_lens_ptr + lens, mask=lens < num_seqs, other=0)
+        if WINDOW:
+            batch_spans = tl.minimum(batch_spans, window)
+        chunk = tl.cdiv(tl.max(batch_spans, 0), num_splits)
         if BALANCE:
-            chunk = tl.maximum(chunk, tl.cdiv(tl.sum(batch_lens, 0), num_seqs))
+            chunk = tl.maximum(chunk, tl.cdiv(tl.sum(batch_spans, 0), num_seqs))
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
-        if split > 0 and split * chunk >= seq_len:  # past the context (split 0 writes an empty one's zeros)
+        if split > 0 and split * chunk >= span:  # past the span (split 0 writes an empty one's zeros)
             return
-    lo = split * chunk
+    lo = seq_len - span + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     full_hi = tl.maximum(lo + (hi - lo) // BLOCK_N * BLOCK_N, lo)
 
@@ -164,24 +198,27 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * HEAD_DIM
     v_head = v_cache_ptr + kv_head * HEAD_DIM
+    # Every key in [lo, hi) is visible (the window is the span): only the last tile needs a mask, for hi.
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
-                            lo, full_hi, rows, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False,
+                            lo, full_hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False, False,
                             DOT_PRECISION)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
-                            full_hi, hi, rows, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False,
+                            full_hi, hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False, False,
                             DOT_PRECISION)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if seq_len <= chunk:  # one split holds the whole context: the output is final
+    if span <= chunk:  # one split holds the whole span: the output is final
+        out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
         tl.store(out_group + rows[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
-    else:
+    else:  # partial outputs without the sinks, which join once, in the merge
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         first_row = (seq.to(tl.int64) * num_kv_heads + kv_head) * GROUP * num_splits  # group's first head, split 0
         part_rows = first_row + rows * num_splits + split
-        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_safe[:, None],
+                 mask=row_mask[:, None])
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=row_mask)
         _merge_if_last(arrivals_ptr + seq * num_kv_heads + kv_head, part_out_ptr, part_lse_ptr, out_group, first_row,
-                       tl.cdiv(seq_len, chunk), num_splits, stride_oh, GROUP, HEAD_DIM, SPLITS_BLOCK)
+                       tl.cdiv(span, chunk), num_splits, stride_oh, sinks_ptr + kv_head * GROUP, GROUP, HEAD_DIM,
+                       SPLITS_BLOCK, HAS_SINKS)
 
 
 @triton.jit
@@ -214,10 +251,12 @@ def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, 
 
 @triton.jit
 def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, num_splits, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr):
+                   sinks_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Counts this split's arrival; the last of the num_used splits of its (sequence, KV head) merges all
-    their partial outputs by log-sum-exp (the result does not depend on which split came last) and sets the
-    counter back to zero for the next launch. first_row: the group's first head's partial row of split 0."""
+    their partial outputs by log-sum-exp (the result does not depend on which split came last), the heads'
+    sinks (from sinks_ptr, the group's first) joining the denominator, and sets the counter back to zero for
+    the next launch. first_row: the group's first head's partial row of split 0."""
     if is_last_arrival(arrivals_ptr, num_used):
         splits = tl.arange(0, SPLITS_BLOCK)
         used = splits < num_used
@@ -225,26 +264,34 @@ def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row,
         for head in tl.static_range(GROUP):  # .cg: the other splits' partials are in L2, not in this SM's L1
             rows = first_row + head * num_splits + splits
             lse = tl.load(part_lse_ptr + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
-            weight = tl.exp2(lse - tl.max(lse, 0))
+            peak = tl.max(lse, 0)
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # to base 2, as the lse
+                peak = tl.maximum(peak, sink)
+            weight = tl.exp2(lse - peak)
+            total = tl.sum(weight, 0)
+            if HAS_SINKS:
+                total += tl.exp2(sink - peak)
             part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0,
                            cache_modifier=".cg")
-            out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+            out = tl.sum(part * weight[:, None], 0) / total
             tl.store(out_ptr + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for any batch: no compiles mid-serving
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_seqs, num_kv_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    window, sinks_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
-    # KV heads fastest: the heads of one tile, which share each cache row, run side by side (8% faster than
-    # tiles fastest on an 8,192-token prefill); one grid axis, since tiles can pass the 65,535 of the others.
+    # KV heads fastest: the heads of one tile, which share each cache row, run side by side (faster than
+    # tiles fastest on a long prefill); one grid axis, since tiles can pass the 65,535 of the others.
     kv_head = tl.program_id(0) % num_kv_heads
     tile = tl.program_id(0) // num_kv_heads
     # Tiles are numbered across the batch, sequence after sequence: find this program's sequence and tile.
@@ -275,9 +322,17 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
 
+    # Keys [lo, full_lo): visible to some rows (the window's lower edge), [full_lo, full_hi): to every row,
+    # in whole tiles, [full_hi, hi): to some rows (the causal diagonal). Keys before lo are never read.
+    lo = 0
+    full_lo = 0
     if CAUSAL:
-        hi = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
-        full_hi = (prefix + first_token) // BLOCK_N * BLOCK_N
+        first_pos = prefix + first_token
+        hi = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)  # past the tile's last row
+        if WINDOW:
+            lo = tl.maximum(first_pos - window + 1, 0)
+            full_lo = tl.maximum(hi - window, 0)
+        full_hi = full_lo + tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
     else:
         hi = seq_len
         full_hi = seq_len // BLOCK_N * BLOCK_N
@@ -287,13 +342,17 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
+    if WINDOW:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
+                                lo, full_lo, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
+                                CAUSAL, WINDOW, DOT_PRECISION)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
-                            0, full_hi, row_pos, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, False, CAUSAL,
-                            DOT_PRECISION)
+                            full_lo, full_hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, False,
+                            CAUSAL, WINDOW, DOT_PRECISION)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
-                            full_hi, hi, row_pos, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True, CAUSAL,
-                            DOT_PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                            full_hi, hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
+                            CAUSAL, WINDOW, DOT_PRECISION)
+    out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -306,9 +365,9 @@ def _occupancy(device: torch.device) -> int:
 def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
     at least MIN_SPLITS, at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled
-    variants), at most MAX_SPLITS. On a full GPU the two splits cost 2-9% at equal context lengths (which they
-    leave whole) and gain 4-25% at lengths spread over 100-2,100 tokens (H100, batch 256 to 64), where the
-    longest sequences would otherwise run on after the rest: 18.2k -> 18.6k tok/s on bench/throughput.py."""
+    variants), at most MAX_SPLITS. On a full GPU the two splits cost a little at equal context lengths (which
+    they leave whole) and gain more at spread lengths, where the longest sequences would otherwise run on
+    after the rest (bench/decode_balance.py measures both)."""
     target = _occupancy(device)
     wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // MIN_TOKENS_PER_SPLIT,
                  MAX_SPLITS)
@@ -339,14 +398,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None):
+def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None, window=0, sinks=None):
     """paged_attention for a batch of one query token per sequence; num_splits None picks it by occupancy."""
     num_tokens, num_q_heads, head_dim = q.shape
-    return _decode(q, num_q_heads, head_dim, q.stride(0), q.stride(1), k_cache, v_cache, meta, scale, num_splits)
+    return _decode(q, num_q_heads, head_dim, q.stride(0), q.stride(1), k_cache, v_cache, meta, scale, num_splits,
+                   window, sinks)
 
 
 def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, k_cache,
-                         v_cache, meta, scale, num_splits=None):
+                         v_cache, meta, scale, num_splits=None, window=0, sinks=None):
     """qkv_prologue (storing the new keys and values in the cache) and decode_attention in one launch, from the
     fused projection qkv [T, (n_q + 2 n_kv) D] at positions meta.seq_lens - 1: one launch less per layer."""
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
@@ -358,13 +418,14 @@ def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_wei
                          f"{head_dim}")
     prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping)
     return _decode(qkv, num_heads, head_dim, qkv.stride(0), head_dim, k_cache, v_cache, meta, scale, num_splits,
-                   prologue)
+                   window, sinks, prologue)
 
 
-def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits,
+def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits, window, sinks,
             prologue=None):
     """The decode launch: q heads at q + token * stride_qt + head * stride_qh; with prologue (cos_sin_cache,
-    q and k norm weights or None, eps, slot_mapping), q is the fused qkv projection (see qkv_decode_attention)."""
+    q and k norm weights or None, eps, slot_mapping), q is the fused qkv projection (see qkv_decode_attention).
+    With a window each sequence's programs read only its last `window` keys, split among them."""
     num_seqs = meta.seq_lens.shape[0]
     num_tokens = q.shape[0]
     if num_tokens != num_seqs:
@@ -374,7 +435,8 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     num_kv_heads = k_cache.shape[2]
     group = _check_gqa(num_q_heads, num_kv_heads)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, meta.max_seqlen_k, q.device)
+        longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -390,7 +452,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, meta.seq_lens, meta.seq_order if ordered else meta.seq_lens, out,
         part_out, part_lse, arrivals,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, window, out if sinks is None else sinks,
         stride_qt, stride_qh, out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
         cos_sin_cache, cos_sin_cache.stride(0), out if q_norm_weight is None else q_norm_weight,
         out if k_norm_weight is None else k_norm_weight, eps, slot_mapping,
@@ -399,13 +461,14 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
-        num_warps=4, num_stages=2,  # the fastest at batch 64-256 on contexts of 100-2,100 tokens on an H100
+        WINDOW=window > 0, HAS_SINKS=sinks is not None,
+        num_warps=4, num_stages=2,  # the fastest at large batches of varied context lengths
         **launch_options(q),
     )
     return out
 
 
-def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal,
+def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal, window, sinks,
                     stride_kt, stride_kh, stride_vt, stride_vh, block_size):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2] if block_tables is not None else k.shape[1]
@@ -413,8 +476,8 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out
-    # 64 x 32 tiles, 4 warps, 2 stages: 22% faster than 128 x 64 with 8 warps on an 8,192-token prefill of
-    # 100-1,024-token prompts (H100: 215 against 169 TFLOP/s)
+    # 64 x 32 tiles, 4 warps, 2 stages: faster than 128 x 64 with 8 warps on a long prefill of prompts of
+    # varied lengths
     block_m = max(16, min(64, triton.next_power_of_2(max_seqlen_q * group)), triton.next_power_of_2(group))
     tokens_per_tile = block_m // group
     paged = block_tables is not None
@@ -423,28 +486,32 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
     _prefill_kernel[(num_kv_heads * max_tiles,)](
         q, k, v, out, cu_seqlens_q, seq_lens if paged else cu_seqlens_q,
         block_tables if paged else cu_seqlens_q, scale * LOG2E, num_seqs, num_kv_heads,
+        window, out if sinks is None else sinks,
         q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
-        PAGED=paged, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype),
-        SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), num_warps=4, num_stages=2, **launch_options(q),
+        PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
+        num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, meta, scale):
+def prefill_attention(q, k_cache, v_cache, meta, scale, window=0, sinks=None):
     """paged_attention for prefill chunks and mixed batches: causal over cached prefix plus own chunk."""
     _check_head_dim(q.shape[2])
     block_size = _check_cache(k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     slot_stride, head_stride = k_cache.stride(1), k_cache.stride(2)
     return _prefill_launch(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                           meta.max_seqlen_q, scale, True, slot_stride, head_stride, slot_stride, head_stride,
-                           block_size)
+                           meta.max_seqlen_q, scale, True, window, sinks, slot_stride, head_stride, slot_stride,
+                           head_stride, block_size)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float):
-    """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D].
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    window: int = 0, sinks: torch.Tensor | None = None):
+    """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D]; window
+    and sinks [n_q] as kernels.paged_attention says (no key before a query's window is read).
 
     The keys and values of this step's tokens must already be in the cache (kernels.qkv_prologue stores them).
     """
@@ -453,17 +520,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1:
         raise ValueError("paged_attention needs q contiguous in head_dim")
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
-    return prefill_attention(q, k_cache, v_cache, meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    return prefill_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
-    """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], cu_seqlens [B+1]."""
+                     max_seqlen: int, scale: float, causal: bool, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention within each sequence of a packed batch: q [T, n_q, D], k/v [T, n_kv, D], cu_seqlens [B+1];
+    window (causal only) and sinks as in paged_attention."""
     _check_head_dim(q.shape[2])
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("varlen_attention needs q, k and v contiguous in head_dim")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return _prefill_launch(q, k, v, out, cu_seqlens, None, None, max_seqlen, scale, causal,
+    return _prefill_launch(q, k, v, out, cu_seqlens, None, None, max_seqlen, scale, causal, window, sinks,
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), 1)
-

@@ -18,8 +18,19 @@ from torch import Tensor, nn
 from models.moe import moe_checkpoint_target
 from models.parallel_layers import default_weight_loader
 
-# Checkpoint tensors that are buffers or duplicates, not parameters.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that are buffers or duplicates, not parameters (static FP8 activation scales: our FP8
+# GEMMs scale activations per token as they go).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+# The text decoder of a multimodal checkpoint (Gemma 3): its prefixes, in transformers 5's and 4's layouts,
+# become the decoder's; the vision tower and projector are skipped.
+PREFIX_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Checkpoint parameter names that are ours under another name (fine-grained FP8's block scales).
+LEAF_RENAMES = {"weight_scale_inv": "weight_scale"}
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -50,13 +61,19 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
 
 def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None] | None:
     """(our parameter name, slice index in a fused module or None) for a checkpoint name; None to skip it."""
-    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+    for prefix, ours in PREFIX_RENAMES:
+        if name.startswith(prefix):
+            name = ours + name[len(prefix):]
+    if name.endswith(IGNORED_SUFFIXES) or name.startswith(SKIPPED_PREFIXES) or (
+            name == "lm_head.weight" and model.tie_word_embeddings):
         return None
     if name not in params and not name.startswith(("model.", "lm_head.")):
         name = "model." + name
     if (routed := moe_checkpoint_target(name)) is not None:
         return routed
     module_path, _, leaf = name.rpartition(".")
+    leaf = LEAF_RENAMES.get(leaf, leaf)
+    name = f"{module_path}.{leaf}"
     parent, _, module = module_path.rpartition(".")
     if module in model.packed_modules:
         fused, index = model.packed_modules[module]
@@ -64,16 +81,16 @@ def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None]
     return name, None
 
 
-def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
-    """Every (parameter, slice) the checkpoint must fill."""
-    expected = set()
+def _expected(model: nn.Module, params: dict) -> dict[str, set[int | None]]:
+    """Every parameter the checkpoint must fill, with the slices of it (None: the whole parameter)."""
+    expected = {}
     for name in params:
         module_path, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_path)
-        slices = range(len(module.output_sizes)) if hasattr(module, "output_sizes") else (None,)
         if hasattr(module, "checkpoint_slices"):  # stacked experts (models/moe.py)
-            slices = module.checkpoint_slices(leaf)
-        expected.update((name, index) for index in slices)
+            expected[name] = set(module.checkpoint_slices(leaf))
+        else:
+            expected[name] = set(range(len(module.output_sizes))) if hasattr(module, "output_sizes") else {None}
     return expected
 
 
@@ -81,8 +98,9 @@ def _expected(model: nn.Module, params: dict) -> set[tuple[str, int | None]]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source: str,
                  target: Callable[[str], tuple[str, int | None] | None] | None = None) -> None:
     """Copy (checkpoint name, tensor or safetensors slice) pairs into the model; every parameter must be
-    filled exactly. target maps a checkpoint name to (our parameter, slice index in a fused module or None),
-    or None to skip it; by default the decoders' transformers names."""
+    filled exactly. target maps a checkpoint name to (our parameter, slice index in a fused module or None:
+    the whole parameter), or None to skip it; by default the decoders' transformers names. Then each module's
+    process_weights_after_loading() runs, a module's before its children's."""
     params = dict(model.named_parameters())
     target_of = target or functools.partial(_target, model, params)
     missing = _expected(model, params)
@@ -101,9 +119,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]], source
             weight_loader(param, tensor) if index is None else weight_loader(param, tensor, index)
         except ValueError as exc:
             raise ValueError(f"{source}: weight {name!r} {exc}; the checkpoint does not match its config.json") from None
-        missing.discard(target)
+        if index is None:
+            missing[ours].clear()
+        else:
+            missing[ours].discard(index)
     if unexpected:
         raise ValueError(f"{source}: unexpected weights {sorted(unexpected)[:10]} ({len(unexpected)} in all)")
-    if missing:
-        names = sorted({name for name, _ in missing})
+    names = sorted(name for name, slices in missing.items() if slices)
+    if names:
         raise ValueError(f"{source}: checkpoint lacks weights for {names[:10]} ({len(names)} in all)")
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()

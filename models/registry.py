@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-# Architectures with an LM head, and bare decoders (no head: embedding models saved as the base model).
-DECODERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-BARE_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
+# Architectures with an LM head (all served by models/llama.py; of a multimodal checkpoint, its text decoder),
+# and bare decoders (no head: embedding models saved as the base model).
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3MoeForCausalLM")
+BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
 
@@ -18,7 +20,7 @@ SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
 @dataclass
 class LoadedModel:
     model: nn.Module
-    hf_config: object
+    hf_config: object  # a decoder's: the text config (of a multimodal checkpoint, its text_config)
     kind: str  # "decoder" | "encoder"
     model_dir: str
 
@@ -44,16 +46,20 @@ def architecture_of(hf_config) -> str:
     raise ValueError(f"unsupported model architecture: {found}; supported: {', '.join(SUPPORTED)}")
 
 
-def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_head: bool = True) -> nn.Module:
-    """An uninitialised decoder, its parameters allocated on `device` in `dtype`, ready for a weight loader."""
+def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_head: bool = True,
+                  max_model_len: int | None = None, fp8_gemm: str = "triton") -> nn.Module:
+    """An uninitialised decoder, its parameters allocated on `device` in `dtype` (FP8 checkpoints' projections
+    in e4m3), ready for a weight loader."""
     from models.llama import LlamaForCausalLM
 
     with torch.device(device), default_dtype(dtype):
-        return LlamaForCausalLM(hf_config, with_lm_head=with_lm_head)
+        return LlamaForCausalLM(hf_config, with_lm_head=with_lm_head, max_model_len=max_model_len, fp8_gemm=fp8_gemm)
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load a local checkpoint directory (config.json + safetensors) or a .gguf file."""
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+               fp8_gemm: str = "triton") -> LoadedModel:
+    """Load a local checkpoint directory (config.json + safetensors) or a .gguf file. max_model_len and fp8_gemm
+    go to the decoder (see models/llama.py)."""
     from models.loader import load_weights, load_safetensors
 
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
@@ -61,7 +67,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Loa
 
         model_dir = gguf_model_dir(model_path)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        model = build_decoder(hf_config, dtype, device, with_lm_head=architecture_of(hf_config) in DECODERS)
+        model = build_decoder(hf_config, dtype, device, architecture_of(hf_config) in DECODERS, max_model_len)
         load_weights(model, iterate_gguf(model_path, hf_config), source=model_path)
         return LoadedModel(model.eval(), hf_config, "decoder", model_dir)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -72,6 +78,6 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Loa
         from models.bert import load_bert
 
         return LoadedModel(load_bert(model_path, hf_config, dtype, device).eval(), hf_config, "encoder", model_path)
-    model = build_decoder(hf_config, dtype, device, with_lm_head=architecture in DECODERS)
+    model = build_decoder(hf_config, dtype, device, architecture in DECODERS, max_model_len, fp8_gemm)
     load_safetensors(model, model_path)
-    return LoadedModel(model.eval(), hf_config, "decoder", model_path)
+    return LoadedModel(model.eval(), hf_config.get_text_config(), "decoder", model_path)

@@ -1,7 +1,7 @@
 """The sampler's math on fixed logits, checked against hand computation."""
 import torch
 
-from engine.sampler import Sampler, top_k_top_p
+from engine.sampler import Sampler, outside_top_k_top_p
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -49,10 +49,17 @@ def test_penalty_counts_follow_a_batch_across_steps():
 
 
 def test_top_k_top_p_masks():
-    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]] * 3)
-    out = top_k_top_p(probs, top_k=torch.tensor([0.0, 3.0, 1.0]), top_p=torch.tensor([0.8, 1.0, 1.0]))
-    assert (out > 0).int().tolist() == [[0, 1, 0, 1], [0, 1, 1, 1], [0, 1, 0, 0]]
-    assert torch.equal(out[out > 0], probs[out > 0])
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]] * 4)
+    dropped = outside_top_k_top_p(probs, top_k=torch.tensor([0.0, 3.0, 1.0, 0.0]),
+                                  top_p=torch.tensor([0.8, 1.0, 1.0, 1.0]))
+    assert (~dropped).int().tolist() == [[0, 1, 0, 1], [0, 1, 1, 1], [0, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_top_p_of_one_keeps_the_tail_that_rounding_would_cut():
+    """The mass before the last tokens of a long tail can round up to the whole sum: top_p = 1 still keeps them."""
+    probs = torch.softmax(torch.cat((torch.tensor([30.0]), torch.zeros(1000))), 0)[None]
+    assert (probs.cumsum(-1) - probs)[0, -1] >= probs.sum()  # rounding has reached the sum before the end
+    assert not outside_top_k_top_p(probs, torch.tensor([0.0]), torch.tensor([1.0])).any()
 
 
 def test_sampling_respects_masks_and_greedy_rows():
@@ -76,7 +83,7 @@ def test_seeded_request_draws_are_independent_of_neighbours():
     second = Sampler(torch.device("cpu"))(logits[[1, 0, 2]], [make([0]), a2, make([0], seed=7)])
     assert first[0] == second[1]
     assert Sampler(torch.device("cpu"))(logits[:1], [a1]).item() == Sampler(torch.device("cpu"))(
-        logits[:1], [a2]).item()  # both generators advanced identically
+        logits[:1], [a2]).item()  # the same seed at the same position
 
 
 def test_batch_plan_is_rebuilt_when_the_batch_changes():
@@ -99,7 +106,7 @@ def test_one_pass_draw_of_a_seeded_request_is_keyed_by_position():
     logits = torch.randn(1, 400, generator=torch.Generator().manual_seed(2))
     sampler = Sampler(torch.device("cpu"))
     seq, longer = make([0, 1], seed=5, temperature=1.0), make([0, 1], [9], seed=5, temperature=1.0)
-    assert sampler.plan_for([seq]).one_pass
+    assert not sampler.plan_for([seq]).uses_masks
     draws_ahead = [sampler(logits, [seq], ahead=1).item() for _ in range(3)]
     assert draws_ahead == [sampler(logits, [longer]).item()] * 3
     positions = {sampler(logits, [seq], ahead=n).item() for n in range(30)}

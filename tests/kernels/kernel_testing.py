@@ -63,3 +63,20 @@ def paged_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_siz
         is_decode=all(n == 1 for n in q_lens),
     )
     return q, k_cache, v_cache, meta
+
+
+def free_blocks_before_window(k_cache, v_cache, meta, window):
+    """Points every block-table entry that no query of the step can see through its window (the block's last
+    key at or before the sequence's first query position - window) at a block full of NaN, as if the engine
+    had freed it and another request reused it: a kernel that reads one is visibly wrong. Returns how many."""
+    block_size = k_cache.shape[1]
+    owned = set(meta.block_tables[meta.block_tables >= 0].tolist())
+    poisoned = next(b for b in range(k_cache.shape[0]) if b not in owned)
+    k_cache[poisoned], v_cache[poisoned] = float("nan"), float("nan")
+    first_query = (meta.seq_lens - meta.cu_seqlens_q.diff()).tolist()
+    freed = 0
+    for row, first in enumerate(first_query):
+        dead = max(first - window + 1, 0) // block_size
+        meta.block_tables[row, :dead] = poisoned
+        freed += dead
+    return freed

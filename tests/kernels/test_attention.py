@@ -1,7 +1,14 @@
 """Triton paged (decode, prefill, mixed) and varlen attention against the torch reference."""
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only, paged_batch
+from kernel_testing import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    cuda_only,
+    free_blocks_before_window,
+    paged_batch,
+)
 
 from kernels import AttentionMetadata, reference
 from kernels.split_arrivals import arrival_counters
@@ -151,6 +158,111 @@ def _check_varlen(lengths, num_q_heads, num_kv_heads, head_dim, causal, dtype):
     out = varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal)
     expected = reference.varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal)
     assert_close(out, expected, dtype)
+
+
+def random_sinks(num_q_heads, dtype=torch.float32):
+    return (2 * torch.randn(num_q_heads, device=DEVICE)).to(dtype)
+
+
+def check_paged(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, window, with_sinks, dtype=None,
+                num_splits=None):
+    """Triton paged attention (decode_attention when num_splits is given) with a window and sinks against the
+    reference, the blocks before each window freed (NaN): returns how many were."""
+    dtype = dtype or torch.float32
+    q, k_cache, v_cache, meta = paged_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    freed = free_blocks_before_window(k_cache, v_cache, meta, window) if window else 0
+    sinks = random_sinks(num_q_heads) if with_sinks else None
+    scale = head_dim**-0.5
+    if num_splits is None:
+        out = paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+    else:
+        out = decode_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits, window=window, sinks=sinks)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks), dtype)
+    return freed
+
+
+WINDOW_CONTEXTS = [1, 15, 16, 17, 64, 65, 100, 150]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 7, 16, 20, 64, 100, 1000])
+def test_decode_with_window_and_sinks(window, num_splits, with_sinks):
+    """Windows under, at and over the block (16) and the key tile (64), past every context; contexts longer
+    than the window read none of the blocks before it; the splits share the window's keys."""
+    freed = check_paged([1] * len(WINDOW_CONTEXTS), WINDOW_CONTEXTS, 4, 2, 64, 16, window, with_sinks,
+                        num_splits=num_splits)
+    assert freed or window >= 150 - 16
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 1), (6, 2), (2, 2)])
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (256, 16), (64, 128)])
+def test_decode_window_across_head_shapes(head_dim, block_size, num_q_heads, num_kv_heads):
+    check_paged([1] * len(WINDOW_CONTEXTS), WINDOW_CONTEXTS, num_q_heads, num_kv_heads, head_dim, block_size, 20,
+                True, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_window_padding_rows_give_zeros(num_splits):
+    """Graph-padding rows (seq_len 0) stay zeros with a window and sinks."""
+    q, k_cache, v_cache, meta = paged_batch([1, 1, 1], [130, 1, 70], 4, 2, 64, 16, torch.float32)
+    sinks = random_sinks(4)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, 24, sinks)
+    meta.seq_lens[1] = 0
+    meta.block_tables[1] = -1
+    out = decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits, window=24, sinks=sinks)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], expected[[0, 2]], torch.float32)
+
+
+WINDOW_Q_LENS = [1, 40, 1, 5, 33, 70]  # a decode, a fresh prompt, a decode, chunks after cached prefixes
+WINDOW_SEQ_LENS = [1, 40, 90, 37, 120, 150]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 64, 200])
+def test_prefill_and_mixed_with_window_and_sinks(window, with_sinks):
+    """Windows smaller than a query tile (the window's edge and the diagonal in one tile) up to past every
+    context, chunks whose earlier blocks are freed."""
+    check_paged(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 4, 2, 64, 16, window, with_sinks)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 1), (6, 2), (2, 2)])
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (256, 16), (64, 128)])
+def test_prefill_window_across_head_shapes(head_dim, block_size, num_q_heads, num_kv_heads):
+    check_paged(WINDOW_Q_LENS, WINDOW_SEQ_LENS, num_q_heads, num_kv_heads, head_dim, block_size, 20, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,num_q_heads,num_kv_heads,head_dim,block_size,window",
+    [([3, 1, 20], [3, 50, 29], 8, 1, 64, 16, 10)]
+    + cuda_only(([1, 300, 1, 2048], [8192, 4396, 2, 2048], 32, 8, 128, 16, 4096),
+                ([1] * 64, [5000 + 37 * i for i in range(64)], 32, 8, 128, 16, 4096),
+                ([1] * 64, [100 + 30 * i for i in range(64)], 4, 1, 256, 16, 512),
+                ([2048, 1, 700], [2048, 3000, 1400], 4, 1, 256, 16, 512),
+                ([129] * 8, [4000 + i for i in range(8)], 64, 8, 64, 32, 128)),
+)
+def test_window_and_sinks_dtypes_and_long_contexts(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                   window, dtype):
+    """Mistral (window 4,096 over 32/8 heads of 128), Gemma 3 (512, 4/1 of 256) and gpt-oss (128 with sinks)
+    shapes on the GPU."""
+    check_paged(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, window, True, dtype)
+
+
+@pytest.mark.parametrize("causal,window,with_sinks", [(True, 1, False), (True, 7, True), (True, 40, False),
+                                                      (False, 0, True), (True, 0, True)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (2, 1, 256)])
+def test_varlen_with_window_and_sinks(num_q_heads, num_kv_heads, head_dim, causal, window, with_sinks):
+    lengths = [1, 17, 70]
+    tokens = sum(lengths)
+    q = torch.randn(tokens, num_q_heads, head_dim, device=DEVICE)
+    k, v = torch.randn(2, tokens, num_kv_heads, head_dim, device=DEVICE)
+    sinks = random_sinks(num_q_heads) if with_sinks else None
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    out = varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal, window, sinks)
+    expected = reference.varlen_attention(q, k, v, cu_seqlens, max(lengths), head_dim**-0.5, causal, window, sinks)
+    assert_close(out, expected, torch.float32)
 
 
 @pytest.mark.parametrize(

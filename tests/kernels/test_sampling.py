@@ -24,6 +24,21 @@ def test_draws_follow_the_tempered_softmax(name):
 
 
 @pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_masked_tokens_are_never_drawn_and_the_rest_keep_their_odds(name):
+    """The sampler's top-k / top-p / min-p path sets dropped tokens to -inf: they are never drawn, and the others
+    follow the tempered softmax renormalised over what is kept."""
+    sample = IMPLEMENTATIONS[name]
+    rows, temperature = 1000, 1.3
+    logits = torch.tensor([1.0, float("-inf"), 0.5, 2.5, float("-inf"), 1.5], device=DEVICE).repeat(rows, 1)
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ids = sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds)
+    frequency = torch.bincount(ids.cpu(), minlength=6).float() / rows
+    expected = torch.softmax(logits[0].cpu() / temperature, -1)
+    assert frequency[1] == frequency[4] == 0
+    assert (frequency - expected).abs().max() < 0.06  # about 4 standard deviations at these counts
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
 def test_greedy_rows_seeds_and_a_vocabulary_over_several_blocks(name):
     """Temperature 0 is the argmax wherever it lies; the same seed gives the same draw in any batch; a
     vocabulary wider than one block is searched whole."""

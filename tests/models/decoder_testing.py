@@ -1,7 +1,7 @@
 """Tiny random decoders saved as transformers checkpoints, and helpers to drive our models step by step."""
 
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from kernels import AttentionMetadata
 from random_decoders import save_random_decoder
@@ -16,6 +16,7 @@ COMMON = dict(
     rms_norm_eps=1e-5,
     initializer_range=0.2,
 )
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # Phi-3's defaults lie outside
 CONFIGS = {
     "llama-gqa": lambda: LlamaConfig(
         **COMMON, num_key_value_heads=2, architectures=["LlamaForCausalLM"],
@@ -27,6 +28,28 @@ CONFIGS = {
     ),
     "qwen3": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"]
+    ),
+    # Windows shorter than the tests' prompts: every layer (Mistral), the layers from max_window_layers (Qwen2).
+    "mistral-window": lambda: MistralConfig(
+        **COMMON, num_key_value_heads=2, sliding_window=5, architectures=["MistralForCausalLM"]
+    ),
+    "qwen2-window": lambda: Qwen2Config(
+        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+        architectures=["Qwen2ForCausalLM"]
+    ),
+    # Heads of 24 dimensions (padded to 32), 12 of them rotated; LongRoPE's short factors (the sequences fit
+    # the original context) with its attention factor from `factor`.
+    "phi3-longrope": lambda: Phi3Config(
+        **{**COMMON, "hidden_size": 96, "max_position_embeddings": 64}, **NO_SPECIAL_TOKENS,
+        num_key_value_heads=2, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+        architectures=["Phi3ForCausalLM"],
+        rope_scaling={"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
+                      "long_factor": [2.0] * 6},
+    ),
+    # Heads of 16 dimensions, 12 rotated: a permutation, no padding.
+    "phi3-partial": lambda: Phi3Config(
+        **COMMON, **NO_SPECIAL_TOKENS, num_key_value_heads=4, partial_rotary_factor=0.75,
+        architectures=["Phi3ForCausalLM"],
     ),
 }
 

@@ -5,25 +5,39 @@ import math
 import pytest
 import torch
 
+import kernels
 from kernels import AttentionMetadata, reference
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4
 
 
-def direct_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for one sequence: q [Lq, n_q, D] (last query at the last key), k/v [Lk, n_kv, D]."""
+def direct_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for one sequence: q [Lq, n_q, D] (last query at the last key), k/v [Lk, n_kv, D].
+    A window keeps the keys at q - window < p <= q (transformers' sliding_window_causal_mask_function); sinks
+    [n_q] join each softmax as an extra column that is then dropped (transformers' GptOss eager attention)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
     if causal:
-        q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
-        scores = scores.masked_fill(torch.arange(k.shape[0]) > q_pos[:, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+        q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+        k_pos = torch.arange(k.shape[0])
+        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        columns = torch.cat((scores, sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)), dim=-1)
+        weights = columns.softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v.double()).float()
 
 
-def run_paged(chunks: list[tuple[int, int]], num_kv_heads: int, group: int, seed: int):
-    """Random K/V for each sequence's whole context stored through shuffled block tables; returns (ours, direct)."""
+def run_paged(chunks: list[tuple[int, int]], num_kv_heads: int, group: int, seed: int, window: int = 0,
+              with_sinks: bool = False):
+    """Random K/V for each sequence's whole context stored through shuffled block tables; returns (ours, direct).
+    With a window, the blocks wholly before each sequence's window point at a block full of NaN (as if freed
+    and reused), so reading one shows."""
     generator = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     lengths = [cached + new for cached, new in chunks]
@@ -43,6 +57,13 @@ def run_paged(chunks: list[tuple[int, int]], num_kv_heads: int, group: int, seed
         [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for table, n in zip(tables, lengths) for p in range(n)]
     )
     reference.store_kv_cache(torch.cat(ks), torch.cat(vs), k_cache, v_cache, slots)
+    if window:
+        freed = order[-1]  # a spare block: no table owns it
+        k_cache[freed], v_cache[freed] = float("nan"), float("nan")
+        for table, (cached, _) in zip(tables, chunks):
+            for i in range(max(cached - window + 1, 0) // BLOCK_SIZE):  # no query of the step sees these
+                table[i] = freed
+    sinks = torch.randn(num_heads, generator=generator) if with_sinks else None
     width = max(blocks_per_seq) + 1
     q_lens = [new for _, new in chunks]
     meta = AttentionMetadata(
@@ -54,8 +75,8 @@ def run_paged(chunks: list[tuple[int, int]], num_kv_heads: int, group: int, seed
         max_seqlen_k=max(lengths),
         is_decode=all(n == 1 for n in q_lens),
     )
-    ours = reference.paged_attention(torch.cat(qs), k_cache, v_cache, meta, HEAD_DIM**-0.5)
-    direct = torch.cat([direct_attention(q, k, v, causal=True) for q, k, v in zip(qs, ks, vs)])
+    ours = reference.paged_attention(torch.cat(qs), k_cache, v_cache, meta, HEAD_DIM**-0.5, window, sinks)
+    direct = torch.cat([direct_attention(q, k, v, True, window, sinks) for q, k, v in zip(qs, ks, vs)])
     return ours, direct
 
 
@@ -72,6 +93,36 @@ BATCHES = {
 def test_paged_attention_equals_direct_causal_attention(batch, group):
     ours, direct = run_paged(BATCHES[batch], num_kv_heads=2, group=group, seed=group)
     torch.testing.assert_close(ours, direct, atol=1e-5, rtol=1e-5)
+
+
+WINDOWED_BATCHES = {
+    "decode-past-the-window": [(3, 1), (4, 1), (9, 1), (16, 1), (0, 1), (22, 1)],
+    "chunks-past-the-window": [(8, 4), (13, 3), (4, 9), (0, 11)],
+    "mixed": [(11, 1), (0, 6), (6, 5), (17, 1), (12, 4)],
+}
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("batch", sorted(WINDOWED_BATCHES))
+def test_paged_attention_with_window_and_sinks_equals_direct_attention(batch, window, with_sinks):
+    """Windows under, at and over the block size (4) and past every context; blocks before the window unread."""
+    ours, direct = run_paged(WINDOWED_BATCHES[batch], num_kv_heads=2, group=2, seed=window, window=window,
+                             with_sinks=with_sinks)
+    torch.testing.assert_close(ours, direct, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_paged_attention_with_sinks_alone_equals_direct_attention(batch):
+    ours, direct = run_paged(BATCHES[batch], num_kv_heads=2, group=3, seed=5, with_sinks=True)
+    torch.testing.assert_close(ours, direct, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_changes_the_output():
+    """The window is not ignored: a window of 3 over contexts of up to 23 keys differs from full attention."""
+    windowed, _ = run_paged(WINDOWED_BATCHES["decode-past-the-window"], 2, 2, seed=0, window=3)
+    full, _ = run_paged(WINDOWED_BATCHES["decode-past-the-window"], 2, 2, seed=0)
+    assert not torch.allclose(windowed[2:4], full[2:4], atol=1e-3)
 
 
 def test_paged_attention_keeps_dtype():
@@ -96,21 +147,32 @@ def test_store_kv_cache_skips_negative_slots():
     assert k_cache.count_nonzero() == 4
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal,window,with_sinks", [(True, 0, False), (False, 0, False), (True, 3, False),
+                                                       (True, 0, True), (False, 0, True), (True, 6, True)])
 @pytest.mark.parametrize("group", [1, 2])
-def test_varlen_attention_equals_direct_attention(causal, group):
+def test_varlen_attention_equals_direct_attention(causal, group, window, with_sinks):
     generator = torch.Generator().manual_seed(3)
     lengths = [5, 1, 8]
     q = torch.randn(sum(lengths), 2 * group, HEAD_DIM, generator=generator)
     k = torch.randn(sum(lengths), 2, HEAD_DIM, generator=generator)
     v = torch.randn(sum(lengths), 2, HEAD_DIM, generator=generator)
+    sinks = torch.randn(2 * group, generator=generator) if with_sinks else None
     cu = torch.tensor([0, *lengths]).cumsum(0).int()
-    ours = reference.varlen_attention(q, k, v, cu, max(lengths), HEAD_DIM**-0.5, causal)
+    ours = reference.varlen_attention(q, k, v, cu, max(lengths), HEAD_DIM**-0.5, causal, window, sinks)
     bounds = cu.tolist()
     direct = torch.cat(
-        [direct_attention(q[s:e], k[s:e], v[s:e], causal) for s, e in zip(bounds[:-1], bounds[1:])]
+        [direct_attention(q[s:e], k[s:e], v[s:e], causal, window, sinks) for s, e in zip(bounds[:-1], bounds[1:])]
     )
     torch.testing.assert_close(ours, direct, atol=1e-5, rtol=1e-5)
+
+
+def test_window_and_sinks_are_checked():
+    q = torch.zeros(3, 4, HEAD_DIM)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    for kwargs, message in [({"window": -1}, "window must be"), ({"window": 2, "causal": False}, "causal"),
+                            ({"sinks": torch.zeros(3)}, "one logit per query head")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.varlen_attention(q, q, q, cu, 3, 0.1, **{"causal": True, **kwargs})
 
 
 def test_rotary_and_norms_follow_their_definitions():
