@@ -9,7 +9,10 @@ names (models/loader.py):
 - Gemma 3 text: (1 + w) RMSNorms, norms after attention and the MLP as well as before, q/k norms, the
   attention scale from query_pre_attn_scalar, embeddings times sqrt(hidden), tanh-GELU, local and global
   layers with rope settings of their own, tied embeddings; final logit soft-capping where a config sets it.
-- FP8 checkpoints of any of them (models/fp8.py): the projections hold e4m3 weights and their scales.
+- Qwen3-MoE: Qwen3 with a routed MLP (models/moe.py) on the layers is_moe_layer names, dense elsewhere.
+- gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts dequantized at load),
+  attention sinks, alternating sliding and full layers, biases on q/k/v/o, YaRN rope.
+- FP8 checkpoints of the dense families (models/fp8.py): the projections hold e4m3 weights and their scales.
 
 Q/K/V and gate/up are fused into single projections (a checkpoint's separate tensors are copied into slices
 at load time), so a layer costs few kernel launches. The projections are models/parallel_layers.py's: under
@@ -43,12 +46,15 @@ from models.parallel_layers import (
     VocabParallelEmbedding,
     check_dtype,
     check_shape,
+    copy_part,
     read,
+    tp_rank,
     tp_size,
 )
 from models.rotary import HeadLayout, RotaryEmbedding, head_layout, place_head_rows, rope_parameters, rotary_dim
 
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
+SINK_MODEL_TYPES = ("gpt_oss",)  # a learned logit per query head in each softmax's denominator
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = ("gemma3_text",)  # RMSNorm scales by (1 + w): the weight loads as 1 + w
 POST_BLOCK_NORM_MODEL_TYPES = ("gemma3_text",)  # norms after attention and the MLP too (sandwich)
@@ -79,6 +85,11 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def _load_heads(param: Tensor, loaded) -> None:
+    """A value per query head (attention sinks): this rank's heads, split as q's are."""
+    copy_part(param.data, loaded, 0, tp_rank(), tp_size())
+
+
 def norm_offset(config) -> float:
     return 1.0 if config.model_type in ONE_PLUS_WEIGHT_NORM_MODEL_TYPES else 0.0
 
@@ -104,6 +115,9 @@ class Attention(nn.Module):
                                                    quant=quant)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias, quant=quant)
         self.num_heads, self.num_kv_heads = (size // head_dim for size in self.qkv_proj.output_sizes[:2])
+        if config.model_type in SINK_MODEL_TYPES:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = _load_heads
         has_qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         offset = norm_offset(config)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset) if has_qk_norm else None

@@ -224,8 +224,13 @@ def test_two_tensor_parallel_ranks_give_one_ranks_output(checkpoints, name, tmp_
 
 # ---- whole decoders ------------------------------------------------------------------------------------
 
-DECODERS = {  # three layers: routed, dense (mlp_only_layers), routed
+DECODERS = {
+    # three layers: routed, dense (mlp_only_layers), routed
     "qwen3_moe": lambda: qwen3_moe_config(num_hidden_layers=3, mlp_only_layers=[1]),
+    # sliding (window 8), full, sliding layers with sinks; YaRN stretching a 16-position original context
+    "gpt_oss": lambda: gpt_oss_config(num_hidden_layers=3, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 16}),
 }
 PROMPT_LENGTHS = [3, 17, 33, 50]
 NEW_TOKENS = 24
@@ -271,3 +276,41 @@ def test_greedy_decoding_matches_transformers(decoders, name, engine_settings):
     assert outputs == [transformers_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
     if "num_kv_blocks" in engine_settings:
         assert llm.core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_two_tensor_parallel_ranks_decode_as_transformers(decoders, name):
+    """Each rank holds half of the heads (and of gpt-oss's sinks) and half of every expert's features."""
+    from engine import LLM, SamplingParams
+
+    path, reference = decoders(name)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 30)]
+    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        layer = llm.core.runner.model.model.layers[0]
+        assert layer.mlp.experts.down_proj.shape[-1] == layer.mlp.spec.intermediate_size // 2
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outputs = [out["token_ids"] for out in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert outputs == [transformers_greedy(reference, prompt, 12) for prompt in prompts]
+
+
+@pytest.mark.parametrize("rope", [
+    {},  # gpt-oss's own: factor 32 over 4,096 positions, not truncated
+    {"truncate": True, "beta_fast": 16.0},
+    {"attention_factor": 0.9},
+    {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": True},
+])
+def test_yarn_frequencies_match_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.rotary import inverse_frequencies, rope_parameters
+
+    config = gpt_oss_config()
+    config.rope_parameters = {**config.rope_parameters, **rope}
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    inv_freq, attention_factor = inverse_frequencies(config.head_dim, rope_parameters(config), 256)
+    torch.testing.assert_close(inv_freq, expected, rtol=1e-6, atol=0)
+    assert attention_factor == pytest.approx(expected_factor)
