@@ -2,6 +2,8 @@
 random configs, each loaded from a transformers checkpoint through our weight loaders: on the CPU reference
 kernels, through the Triton kernels (interpreted on a CPU), split across two tensor-parallel ranks, and for
 gpt-oss from MXFP4 expert weights."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -276,6 +278,36 @@ def test_greedy_decoding_matches_transformers(decoders, name, engine_settings):
     assert outputs == [transformers_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
     if "num_kv_blocks" in engine_settings:
         assert llm.core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_decoder_through_triton_kernels_matches_transformers(decoders, name, monkeypatch):
+    """Logits of a cacheless prefill and of paged steps (prompt chunks, then decodes of two sequences) through
+    the Triton kernels, interpreted on the CPU, equal transformers' forward."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set without a GPU)")
+    from decoder_testing import attach_kv_cache, paged_step, varlen_metadata
+
+    from models.registry import load_model
+
+    path, reference = decoders(name)
+    triton_backend = kernels._backend("cuda")
+    monkeypatch.setattr(kernels, "_backend", lambda device_type: triton_backend)
+    model = load_model(path, torch.float32, torch.device("cpu")).model
+    attach_kv_cache(model, num_blocks=16, block_size=4)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator) for n in (14, 6)]
+    tables = [[9, 2, 12, 5], [7, 0]]
+    with torch.no_grad():
+        expected = [reference(p[None]).logits[0] for p in prompts]
+        hidden = model(prompts[0], torch.arange(14), varlen_metadata([14]))
+        torch.testing.assert_close(model.compute_logits(hidden), expected[0], atol=1e-4, rtol=1e-4)
+        for chunks in ([(0, 5)], [(5, 6), (0, 5)], [(11, 1), (5, 1)], [(12, 2)]):
+            meta, positions = paged_step(chunks, tables[: len(chunks)], 4)
+            ids = torch.cat([prompts[b][c : c + n] for b, (c, n) in enumerate(chunks)])
+            want = torch.cat([expected[b][c : c + n] for b, (c, n) in enumerate(chunks)])
+            torch.testing.assert_close(model.compute_logits(model(ids, positions, meta)), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", list(DECODERS))
