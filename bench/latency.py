@@ -1,7 +1,9 @@
 """Time to first token for a 1,024-token prompt and time per output token at batch 1, 8, 64 and 256,
 through the engine's own step loop (random Qwen3-0.6B-shaped weights unless --model is given). Decode steps
-overlap the host's work with the previous step's GPU time unless --no-overlap is given."""
+overlap the host's work with the previous step's GPU time unless --no-overlap is given. --fp8 times the
+model's block-wise FP8 copy next (bench/random_model.py), each on an engine of its own."""
 import argparse
+import gc
 import statistics
 import time
 from random import randint, seed
@@ -9,7 +11,7 @@ from random import randint, seed
 import torch
 
 from engine import LLM, SamplingParams
-from random_model import make_random_model
+from random_model import make_fp8_copy, make_random_model
 
 
 def random_prompt(length: int) -> list[int]:
@@ -50,6 +52,24 @@ def time_per_output_token(core, batch: int, prompt_len: int, steps: int) -> floa
     return statistics.median(times)
 
 
+def measure(path: str, args, **settings) -> list[tuple[str, str, float]]:
+    """(metric, shape, ms) rows for the model at path, on an engine of its own (freed before returning)."""
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size, **settings)
+    core = llm.core
+    core.overlap = not args.no_overlap
+    time_to_first_token(core, args.prompt_len, 3)  # warm-up
+    ttft = time_to_first_token(core, args.prompt_len, 10)
+    rows = [("TTFT", f"1 x {args.prompt_len}", ttft * 1e3)]
+    for batch in map(int, args.batches.split(",")):
+        tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
+        rows.append(("TPOT", f"batch {batch} x ctx {args.prompt_len}", tpot * 1e3))
+    llm.shutdown()
+    del llm, core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -59,21 +79,18 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
+    ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy, on an engine of its own")
+    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
-    core = llm.core
-    core.overlap = not args.no_overlap
-    time_to_first_token(core, args.prompt_len, 3)  # warm-up
-    ttft = time_to_first_token(core, args.prompt_len, 10)
-    rows = [("TTFT", f"1 x {args.prompt_len}", ttft * 1e3)]
-    for batch in map(int, args.batches.split(",")):
-        tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
-        rows.append(("TPOT", f"batch {batch} x ctx {args.prompt_len}", tpot * 1e3))
-    print(f"{'metric':6} {'shape':28} {'ms (median)':>12}")
-    for metric, shape, ms in rows:
-        print(f"{metric:6} {shape:28} {ms:12.3f}")
+    models = [("as saved", path, {})]
+    if args.fp8:
+        models.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
+    print(f"{'weights':16} {'metric':6} {'shape':28} {'ms (median)':>12}")
+    for weights, model_path, settings in models:
+        for metric, shape, ms in measure(model_path, args, **settings):
+            print(f"{weights:16} {metric:6} {shape:28} {ms:12.3f}", flush=True)
 
 
 if __name__ == "__main__":

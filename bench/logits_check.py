@@ -1,6 +1,10 @@
 """GPU check: the engine's logits for a random Qwen3-0.6B-shaped model against transformers' on the same
 weights, teacher-forced over 256 positions, through the real step path: chunked prefill, decode with and
-without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error."""
+without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error.
+
+--model names any config under bench/models (gemma3-1b: prompts longer than its 512-token window need
+--prompt-len above 512). --fp8: the engine serves the model's block-wise FP8 copy (bench/random_model.py),
+transformers the bf16 weights it was made from."""
 import argparse
 from random import randint, seed
 
@@ -8,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from random_model import make_random_model
+from random_model import make_fp8_copy, make_random_model
 
 MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
 
@@ -42,13 +46,14 @@ def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     return torch.stack(forcing.logits), seq.num_cached_tokens
 
 
-def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor) -> tuple[float, float, float, float]:
+def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor,
+            margin: float = MARGIN) -> tuple[float, float, float, float]:
     """Top-1 agreement over all positions and over the positions bf16 can decide (margin_ref's top two
-    logits more than MARGIN apart; random weights give near-ties that bf16 rounding flips either way),
+    logits more than `margin` apart; random weights give near-ties that bf16 rounding flips either way),
     and the median and max error of the log-prob of ref's top token."""
     same = ours.argmax(-1) == ref.argmax(-1)
     top2 = margin_ref.topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) > MARGIN
+    decided = (top2[:, 0] - top2[:, 1]) > margin
     ref_top = ref.argmax(-1, keepdim=True)
     err = (torch.log_softmax(ours, -1).gather(-1, ref_top) - torch.log_softmax(ref, -1).gather(-1, ref_top)).abs()
     return same.float().mean().item(), same[decided].float().mean().item(), err.median().item(), err.max().item()
@@ -60,9 +65,13 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--positions", type=int, default=256)
+    ap.add_argument("--margin", type=float, default=MARGIN, help="top-2 gap (fp32 logits) of a decided position")
+    ap.add_argument("--fp8", action="store_true", help="the engine serves the model's FP8 copy")
+    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
+    served, label = (make_fp8_copy(path), "engine FP8") if args.fp8 else (path, "engine")
     tokens = [randint(0, 10000) for _ in range(args.prompt_len + args.positions)]
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([tokens], device="cuda")
@@ -70,23 +79,25 @@ def main():
     ref32 = ref_model.float()(ids).logits[0, args.prompt_len - 1:-1].float()
     del ref_model
     torch.cuda.empty_cache()
-    rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32))]
+    margin = args.margin
+    rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
     for eager in (False, True):
-        llm = LLM(path, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3)
+        llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
+                  fp8_gemm=args.fp8_gemm)
         name = "eager" if eager else "cuda graphs"
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
-        rows.append((f"engine ({name}, chunked prefill 128) vs bf16", *compare(ours, ref, ref32)))
-        rows.append((f"engine ({name}) vs fp32", *compare(ours, ref32, ref32)))
+        rows.append((f"{label} ({name}, chunked prefill 128) vs bf16", *compare(ours, ref, ref32, margin)))
+        rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))
         ours, cached = engine_logits(llm, tokens, args.prompt_len)
-        rows.append((f"engine ({name}, prefix hit {cached} tok) vs fp32", *compare(ours, ref32, ref32)))
+        rows.append((f"{label} ({name}, prefix hit {cached} tok) vs fp32", *compare(ours, ref32, ref32, margin)))
         del llm
         torch.cuda.empty_cache()
     top2 = ref32.topk(2, dim=-1).values
-    decided = ((top2[:, 0] - top2[:, 1]) > MARGIN).sum().item()
-    print(f"{decided} of {len(ref32)} positions have a top-2 margin over {MARGIN} in the fp32 reference")
-    print(f"{'comparison':52} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
+    decided = ((top2[:, 0] - top2[:, 1]) > margin).sum().item()
+    print(f"{decided} of {len(ref32)} positions have a top-2 margin over {margin} in the fp32 reference")
+    print(f"{'comparison':56} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
     for name, agree, agree_decided, med, mx in rows:
-        print(f"{name:52} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
+        print(f"{name:56} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,20 @@
-"""Random bf16 weights for a model config (speed depends on shapes, not values): saved as safetensors, or, for
-models too large to save and reload quickly (Qwen3-30B-A3B: 61 GB), drawn on the GPU at load time."""
+"""Random bf16 weights for a model config (speed depends on shapes, not values): saved as safetensors (and an
+FP8 copy of such a model, block-wise as the Qwen3 -FP8 checkpoints), or, for models too large to save and reload
+quickly (Qwen3-30B-A3B: 61 GB), drawn on the GPU at load time."""
 import argparse
+import json
 import os
 import shutil
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from kernels.reference import quantize_fp8
+from models.loader import safetensors_files
+
+FP8_BLOCK = (128, 128)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,10 +56,46 @@ def draw_weights_at_load(std: float = 0.02) -> None:
     models.loader.load_safetensors = draw
 
 
+def make_fp8_copy(model_dir: str, out_dir: str | None = None, device: str | None = None) -> str:
+    """The checkpoint in model_dir with every decoder-layer projection as e4m3 and a float32 weight_scale_inv
+    per 128 x 128 block (quant_method "fp8", as the Qwen3 -FP8 checkpoints), written to out_dir (once, by
+    default model_dir + "-fp8") one file per input file; returns out_dir."""
+    out_dir = out_dir or model_dir.rstrip("/") + "-fp8"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config_path = os.path.join(out_dir, "config.json")
+    if os.path.exists(config_path):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    weight_map = {}
+    for path in safetensors_files(model_dir):
+        tensors = {}
+        with safe_open(path, framework="pt", device=device) as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if ".layers." in name and name.endswith("proj.weight"):
+                    tensor, scales = quantize_fp8(tensor, FP8_BLOCK)
+                    tensors[name.removesuffix("weight") + "weight_scale_inv"] = scales.cpu()
+                tensors[name] = tensor.cpu()
+        save_file(tensors, os.path.join(out_dir, os.path.basename(path)), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, os.path.basename(path)))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    with open(config_path + ".partial", "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(config_path + ".partial", config_path)  # written last: its presence means the copy is whole
+    return out_dir
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("name", nargs="?", default="qwen3-0.6b")
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--fp8", action="store_true", help="also write its FP8 copy (to OUT-fp8)")
     args = ap.parse_args()
-    print(make_random_model(args.name, args.out, args.device))
+    path = make_random_model(args.name, args.out, args.device)
+    print(make_fp8_copy(path, device=args.device) if args.fp8 else path)

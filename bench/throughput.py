@@ -1,11 +1,15 @@
 """Offline throughput on the Nano-vLLM workload (../shared/bench.md): 256 requests, random prompts of
-100-1024 tokens, 100-1024 output tokens each (133,966 in all), ignore_eos, temperature 0.6."""
+100-1024 tokens, 100-1024 output tokens each (133,966 in all), ignore_eos, temperature 0.6. --fp8 runs the
+model's block-wise FP8 copy next (bench/random_model.py), each on an engine of its own."""
 import argparse
+import gc
 import time
 from random import randint, seed
 
+import torch
+
 from engine import LLM, SamplingParams
-from random_model import make_random_model
+from random_model import make_fp8_copy, make_random_model
 from step_trace import StepTrace
 
 
@@ -28,11 +32,22 @@ def main():
     ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
+    ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy")
+    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
+    models = [("as saved", path, {})]
+    if args.fp8:
+        models.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
+    for weights, model_path, settings in models:
+        run(model_path, weights, args, **overrides, **settings)
+
+
+def run(path: str, weights: str, args, **settings) -> None:
+    """Prints each repeat's throughput for the model at path, on an engine of its own (freed after)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap, **overrides)
+              overlap_steps=not args.no_overlap, **settings)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:
@@ -44,9 +59,14 @@ def main():
         start = time.perf_counter()
         llm.generate(prompts, params)
         seconds = time.perf_counter() - start
-        print(f"output tokens {total}  seconds {seconds:.2f}  throughput {total / seconds:,.0f} tok/s", flush=True)
+        print(f"{weights}: output tokens {total}  seconds {seconds:.2f}  throughput {total / seconds:,.0f} tok/s",
+              flush=True)
         if trace:
             trace.report()
+    llm.shutdown()
+    del llm, trace
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.fp8 import FP8_GEMMS
+
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -25,6 +27,7 @@ class EngineConfig:
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
+    fp8_gemm: str = "triton"            # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -43,6 +46,7 @@ class EngineConfig:
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
+        _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
                "CUDA_VISIBLE_DEVICES)")
@@ -90,6 +94,7 @@ ENV_NAMES = {
     "device": "HFENDPOINT_DEVICE",
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
+    "fp8_gemm": "HFENDPOINT_FP8_GEMM",
 }
 
 

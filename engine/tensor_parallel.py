@@ -63,7 +63,8 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     check_config(config)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     try:
-        loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device)
+        loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
+                            config.max_model_len, config.fp8_gemm)
         if ranks:
             ranks.wait_loaded()
     except BaseException:
@@ -200,7 +201,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
     device = init_group(config, rank, store)
     try:
-        loaded = load_model(config.model, config.torch_dtype, device)
+        loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.fp8_gemm)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(f"{type(exc).__name__}: {exc}")
         return

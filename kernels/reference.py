@@ -216,14 +216,17 @@ def dequantize_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype:
     return (weight.float() * full).to(dtype)
 
 
-def quantize_fp8_rows(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """x [M, K] as e4m3 with one float32 scale per row and per `group` columns (the largest magnitude of each
-    group maps to e4m3's largest): (values [M, K], scales [M, ceil(K / group)])."""
-    groups = -(-x.shape[1] // group)
-    padded = F.pad(x.float(), (0, groups * group - x.shape[1])).view(x.shape[0], groups, group)
-    scales = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    values = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(x.shape[0], -1)[:, :x.shape[1]]
-    return values, scales
+def quantize_fp8(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """x [N, K] as e4m3 with one float32 scale per block of (rows, cols), the block's largest magnitude mapped
+    to e4m3's largest: (values [N, K], scales [ceil(N / rows), ceil(K / cols)]). Activations are quantized
+    per token with (1, group) blocks; checkpoints' weights per 128 x 128 block."""
+    rows, cols = block
+    n, k = x.shape
+    padded = F.pad(x.float(), (0, -k % cols, 0, -n % rows))
+    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    values = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:n, :k]
+    return values.contiguous(), scales
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int],
@@ -231,7 +234,7 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int
     """x W^T (+ bias) as the FP8 GEMMs compute it: x quantized to e4m3 per token (per 128 columns for the
     Triton kernel, per whole row for torch._scaled_mm), times the block-scaled e4m3 weight, in float32."""
     group = FP8_GROUP_K if method == "triton" else x.shape[1]
-    values, scales = quantize_fp8_rows(x, group)
+    values, scales = quantize_fp8(x, (1, group))
     out = dequantize_fp8(values, scales, (1, group), torch.float32) @ dequantize_fp8(
         weight, weight_scale, block, torch.float32).T
     if bias is not None:

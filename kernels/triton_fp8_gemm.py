@@ -134,10 +134,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) through torch._scaled_mm: x quantized per row, row_scale [N, 1]."""
+    """x [M, K] @ weight[N, K]^T (+ bias) through torch._scaled_mm: x quantized per row, row_scale [N, 1]. The
+    bias is added apart (not every torch build takes one with row-wise scales)."""
     values, scales = quantize_rows(x)
-    return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=row_scale.view(1, -1), bias=bias,
-                            out_dtype=x.dtype)
+    out = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=row_scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],

@@ -25,10 +25,12 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The rope settings as one dict with rope_type, rope_theta and partial_rotary_factor (transformers 5 and 4
     store them differently; Gemma 3 keeps one dict per layer type), plus max_position_embeddings."""
     params = getattr(config, "rope_parameters", None)
-    if params is None:  # transformers 4
+    local_theta = getattr(config, "rope_local_base_freq", None)
+    if params is None and layer_type == "sliding_attention" and local_theta:  # transformers 4's Gemma 3
+        params = {"rope_type": "default", "rope_theta": local_theta}
+    elif params is None:  # transformers 4
         params = dict(getattr(config, "rope_scaling", None) or {})
-        theta = getattr(config, "rope_local_base_freq", None) if layer_type == "sliding_attention" else None
-        params.setdefault("rope_theta", theta or getattr(config, "rope_theta", 10000.0))
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     elif layer_type in params:
         params = params[layer_type]
     params = dict(params)

@@ -1,8 +1,27 @@
-"""Tiny random decoders saved as transformers checkpoints, shared by the test folders (tests/ is on the import
-path: its conftest.py puts it there)."""
+"""Tiny random decoders saved as transformers checkpoints (FP8 ones too) and transformers' greedy output on
+them, shared by the test folders (tests/ is on the import path: its conftest.py puts it there)."""
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from kernels.reference import quantize_fp8
+
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None)  # the engine tests' decoders
+
+
+class Reference:
+    """A saved tiny model plus the transformers module that greedy outputs are compared against."""
+
+    def __init__(self, path, hf_model):
+        self.path, self.hf_model = path, hf_model
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        out = self.hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
 
 
 def save_random_decoder(config: PretrainedConfig, path, random_biases_and_norms: bool = True, **save_kwargs):
@@ -20,22 +39,8 @@ def save_random_decoder(config: PretrainedConfig, path, random_biases_and_norms:
     return model.eval()
 
 
-FP8_MAX = 448.0
-
-
-def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] as e4m3 with one float32 scale per block (the block's largest magnitude maps to 448):
-    (values, scales [ceil(N / rows), ceil(K / cols)]). block (N, K): one scale; (1, K): one per row."""
-    rows, cols = block
-    n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.float(), (0, -k % cols, 0, -n % rows))
-    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    values = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:n, :k]
-    return values.contiguous(), scales
-
-
 def dequantized(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The test's own reading of block scales (not the loader's)."""
     rows, cols = block
     full = scales.repeat_interleave(rows, 0)[:values.shape[0]].repeat_interleave(cols, 1)[:, :values.shape[1]]
     return values.float() * full
@@ -76,7 +81,7 @@ def save_fp8_decoder(config: PretrainedConfig, path, fmt: str, block: tuple[int,
     for name, param in model.state_dict().items():
         module = name.rpartition(".")[0]
         if ".layers." in name and name.endswith("proj.weight") and module not in unquantized:
-            values, scales = quantize_blocks(param, block_of(*param.shape))
+            values, scales = quantize_fp8(param, block_of(*param.shape))
             param.copy_(dequantized(values, scales, block_of(*param.shape)))
             tensors[f"{module}.{scale_name}"] = scales if fmt.startswith("fp8") else scales.view(-1, 1)
             param = values

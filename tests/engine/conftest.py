@@ -3,33 +3,17 @@ import gc
 
 import pytest
 import torch
+from random_decoders import TINY, Reference, save_random_decoder
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine import kv_cache
-from random_decoders import save_random_decoder
 
-TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-            eos_token_id=None, pad_token_id=None)
 CUDA_TEST_KV_BLOCKS = 1024
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
 }
-
-
-class Reference:
-    """A saved tiny model plus the transformers module that greedy outputs are compared against."""
-
-    def __init__(self, path, hf_model):
-        self.path, self.hf_model = path, hf_model
-
-    @torch.inference_mode()
-    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        out = self.hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                     min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
-        return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

@@ -1,7 +1,16 @@
 """Tiny random decoders saved as transformers checkpoints, and helpers to drive our models step by step."""
 
 import torch
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma3Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SiglipVisionConfig,
+)
 
 from kernels import AttentionMetadata
 from random_decoders import save_random_decoder
@@ -51,7 +60,24 @@ CONFIGS = {
         **COMMON, **NO_SPECIAL_TOKENS, num_key_value_heads=4, partial_rotary_factor=0.75,
         architectures=["Phi3ForCausalLM"],
     ),
+    "gemma3": lambda: gemma3_text(final_logit_softcapping=3.0, architectures=["Gemma3ForCausalLM"]),
+    # The text decoder of a multimodal checkpoint (names under model.language_model).
+    "gemma3-multimodal": lambda: Gemma3Config(
+        text_config=gemma3_text().to_dict(), mm_tokens_per_image=4,
+        vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14).to_dict(),
+        architectures=["Gemma3ForConditionalGeneration"], **NO_SPECIAL_TOKENS,
+    ),
 }
+
+
+def gemma3_text(**overrides) -> Gemma3TextConfig:
+    """Local layers (a window of 5, shorter than the tests' prompts) around a global one, each kind with its own
+    rope base (the global one scaled), and an attention scale from query_pre_attn_scalar, not head_dim."""
+    return Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, **NO_SPECIAL_TOKENS, num_key_value_heads=2,
+                            head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=20,
+                            rope_theta=1000.0, rope_local_base_freq=50.0,
+                            rope_scaling={"rope_type": "linear", "factor": 2.0}, **overrides)
 
 
 def save_tiny_model(name: str, path, **save_kwargs):

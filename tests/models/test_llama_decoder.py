@@ -1,5 +1,5 @@
-"""Our decoder (Llama, Qwen2, Qwen3, Phi-3 families) against transformers' forward on identical weights, with and
-without a KV cache."""
+"""Our decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 families) against transformers' forward on
+identical weights, with and without a KV cache."""
 
 import pytest
 import torch
@@ -34,11 +34,12 @@ def test_varlen_batch_matches_transformers(checkpoint):
     loaded = load_model(str(path), torch.float32, CPU)
     assert loaded.kind == "decoder" and loaded.model_dir == str(path)
     lengths = [7, 1, 13, 4]
-    prompts = random_prompts(lengths, reference.config.vocab_size)
+    vocab_size = reference.config.get_text_config().vocab_size
+    prompts = random_prompts(lengths, vocab_size)
     positions = torch.cat([torch.arange(n) for n in lengths])
     hidden = loaded.model(torch.cat(prompts), positions, varlen_metadata(lengths))
     logits = loaded.model.compute_logits(hidden)
-    assert logits.dtype == torch.float32 and logits.shape == (sum(lengths), reference.config.vocab_size)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(lengths), vocab_size)
     expected = torch.cat([reference_logits(reference, p) for p in prompts])
     torch.testing.assert_close(logits, expected, **TOLERANCE)
 
@@ -50,7 +51,7 @@ def test_paged_prefix_chunk_and_decode_match_full_forward(checkpoint):
     model = load_model(str(path), torch.float32, CPU).model
     block_size = 4
     attach_kv_cache(model, num_blocks=16, block_size=block_size)
-    prompts = random_prompts([14, 6], reference.config.vocab_size, seed=2)
+    prompts = random_prompts([14, 6], reference.config.get_text_config().vocab_size, seed=2)
     tables = [[9, 2, 12, 5], [7, 0]]
     # (num_cached, num_new) per sequence and step; sequence 1 joins at step 2 and decodes from step 3.
     steps = [
@@ -74,7 +75,7 @@ def test_cache_attached_but_no_block_tables_runs_cacheless_and_stores(checkpoint
     path, reference = checkpoint
     model = load_model(str(path), torch.float32, CPU).model
     k_caches, _ = attach_kv_cache(model, num_blocks=4, block_size=8)
-    prompt = random_prompts([6], reference.config.vocab_size, seed=3)[0]
+    prompt = random_prompts([6], reference.config.get_text_config().vocab_size, seed=3)[0]
     meta, positions = paged_step([(0, 6)], [[3]], 8)
     meta.block_tables = None
     logits = model.compute_logits(model(prompt, positions, meta))
@@ -97,11 +98,11 @@ def test_sharded_checkpoint_loads_identically(checkpoint, tmp_path):
 def test_kv_cache_shape_and_sizes(checkpoint):
     path, reference = checkpoint
     model = load_model(str(path), torch.float32, CPU).model
-    config = reference.config
+    config = reference.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     head_dim = 1 << (head_dim - 1).bit_length()  # the kernels' heads: padded to a power of two
     assert model.kv_cache_shape(10, 16) == (config.num_hidden_layers, 10, 16, config.num_key_value_heads, head_dim)
-    with pytest.raises(ValueError, match="expected 2 K and V caches"):
+    with pytest.raises(ValueError, match=f"expected {config.num_hidden_layers} K and V caches"):
         model.set_kv_cache([], [])
 
 

@@ -46,7 +46,7 @@ CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("family", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3", "phi3-longrope", "gemma3"])
 def test_decoder_through_triton_kernels_matches_transformers(family):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), ROOT])}
     result = subprocess.run([sys.executable, "-c", CHECK, family], env=env, capture_output=True, text=True, timeout=300)

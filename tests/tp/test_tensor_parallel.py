@@ -33,7 +33,7 @@ def wait_gone(pids, timeout=10.0) -> list[int]:
     return [pid for pid in pids if alive(pid)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3-fp8"])
 def test_two_ranks_generate_what_one_does(tp_model_path, name):
     """Prompt chunks (a small token budget), mixed prefill/decode steps, prefix-cache hits on the second
     round, and an odd vocabulary for llama (the last rank's range is padded)."""
