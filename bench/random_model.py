@@ -1,8 +1,10 @@
-"""Random bf16 weights for a model config (speed depends on shapes, not values), saved as safetensors; and an
-FP8 copy of such a model (block-wise, as the Qwen3 -FP8 checkpoints)."""
+"""Random bf16 weights for a model config (speed depends on shapes, not values): saved as safetensors (and an
+FP8 copy of such a model, block-wise as the Qwen3 -FP8 checkpoints), or, for models too large to save and reload
+quickly (Qwen3-30B-A3B: 61 GB), drawn on the GPU at load time."""
 import argparse
 import json
 import os
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -38,6 +40,28 @@ def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, devi
     model.save_pretrained(out_dir, max_shard_size="4GB")
     _write_json(config_path, raw_config)  # the public config as written, not this transformers' rendering of it
     return out_dir
+
+
+def config_only_model(name: str) -> str:
+    """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load()."""
+    out_dir = f"/tmp/random-{name}-config"
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copy(os.path.join(HERE, "models", name, "config.json"), os.path.join(out_dir, "config.json"))
+    return out_dir
+
+
+def draw_weights_at_load(std: float = 0.02) -> None:
+    """From now on, loading a safetensors model draws its parameters where they live instead of reading files:
+    norm weights 1, the others normal(0, std) (transformers' initialisation). Tensor-parallel ranks are spawned
+    processes that re-import the main script, so a script calls this at import time, not under __main__."""
+    import models.loader
+
+    @torch.no_grad()
+    def draw(model, model_dir):
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, std)
+
+    models.loader.load_safetensors = draw
 
 
 def make_fp8_copy(model_dir: str, out_dir: str | None = None, device: str | None = None) -> str:

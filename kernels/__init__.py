@@ -28,6 +28,8 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "qkv_prologue",
     "gumbel_argmax",
     "apply_token_bitmask",
+    "select_experts",
+    "fused_moe",
 )
 __all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
 
@@ -45,6 +47,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         triton_attention,
         triton_fp8_gemm,
         triton_linear,
+        triton_moe,
         triton_norm,
         triton_prologue,
         triton_sampling,
@@ -62,6 +65,8 @@ def _backend(device_type: str) -> SimpleNamespace:
         qkv_prologue=triton_prologue.qkv_prologue,
         gumbel_argmax=triton_sampling.gumbel_argmax,
         apply_token_bitmask=triton_sampling.apply_token_bitmask,
+        select_experts=triton_moe.select_experts,
+        fused_moe=triton_moe.fused_moe,
         fused_decode=triton_attention.qkv_decode_attention,
     )
     try:
@@ -226,3 +231,23 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
     """In place: logits[rows[i], t] = -inf for each token t that bitmask[i] does not allow. bitmask: int32
     [len(rows), ceil(V / 32)], bit t % 32 of word t // 32 set where token t is allowed (xgrammar's layout)."""
     _backend_of(logits).apply_token_bitmask(logits, bitmask, rows)
+
+
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """A mixture of experts' routing: per token of router_logits [T, E], the ids [T, k] (int32) of the k largest
+    logits in descending order and their weights [T, k] (float32): the softmax over all E experts, or over the k
+    chosen when renormalize (Qwen3-MoE's norm_topk_prob; gpt-oss's softmax of its top-k logits)."""
+    return _backend_of(router_logits).select_experts(router_logits, top_k, renormalize)
+
+
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
+              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+    """The routed experts' MLPs: out[t] = sum_j topk_weights[t, j] * expert_e(hidden[t]), e = topk_ids[t, j],
+    with expert_e(x) = w_down[e] act(w_gate_up[e] x + b_gate_up[e]) + b_down[e]. w_gate_up [E, 2I, H] holds
+    the gate rows then the up rows, w_down [E, H, I]; biases optional. activation: "silu" (silu(gate) * up) or
+    "clamped_swiglu" (gpt-oss: gate clamped above at swiglu_limit, up within +-swiglu_limit, then
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate)). On CUDA the tokens are sorted by expert on the device
+    and each projection is one grouped GEMM launch over all experts (kernels/triton_moe.py)."""
+    return _backend_of(hidden).fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
+                                         activation, swiglu_alpha, swiglu_limit)

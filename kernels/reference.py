@@ -163,6 +163,40 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The k largest router logits per token (ids int32, descending) and their softmax probabilities in float32,
+    over all experts or, when renormalize, over the k chosen."""
+    weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def expert_activation(gate_up: Tensor, activation: str, swiglu_alpha: float, swiglu_limit: float) -> Tensor:
+    """[..., 2I] (gate | up) -> [..., I]: silu(gate) * up, or gpt-oss's clamped SwiGLU: with gate clamped above
+    at limit and up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    return (up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)
+
+
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
+              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+    """The routed experts as a plain loop over experts: each token's k expert outputs weighted and summed in
+    float32. w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H]."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w_gate_up.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        gate_up = F.linear(hidden[tokens], w_gate_up[expert], None if b_gate_up is None else b_gate_up[expert])
+        y = expert_activation(gate_up, activation, swiglu_alpha, swiglu_limit)
+        y = F.linear(y, w_down[expert], None if b_down is None else b_down[expert])
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)
+
+
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     """x [T, 2I] -> gelu(x[:, :I], tanh approximation) * x[:, I:] (Gemma's gated MLP)."""
     gate, up = x.chunk(2, dim=-1)

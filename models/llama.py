@@ -9,7 +9,10 @@ names (models/loader.py):
 - Gemma 3 text: (1 + w) RMSNorms, norms after attention and the MLP as well as before, q/k norms, the
   attention scale from query_pre_attn_scalar, embeddings times sqrt(hidden), tanh-GELU, local and global
   layers with rope settings of their own, tied embeddings; final logit soft-capping where a config sets it.
-- FP8 checkpoints of any of them (models/fp8.py): the projections hold e4m3 weights and their scales.
+- Qwen3-MoE: Qwen3 with a routed MLP (models/moe.py) on the layers is_moe_layer names, dense elsewhere.
+- gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts dequantized at load),
+  attention sinks, alternating sliding and full layers, biases on q/k/v/o, YaRN rope.
+- FP8 checkpoints of the dense families (models/fp8.py): the projections hold e4m3 weights and their scales.
 
 Q/K/V and gate/up are fused into single projections (a checkpoint's separate tensors are copied into slices
 at load time), so a layer costs few kernel launches. The projections are models/parallel_layers.py's: under
@@ -34,6 +37,7 @@ from kernels import (
     varlen_attention,
 )
 from models.fp8 import Fp8Format, fp8_format
+from models.moe import MoeMLP, check_moe_tensor_parallel, is_moe_layer
 from models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLinear,
@@ -42,13 +46,16 @@ from models.parallel_layers import (
     VocabParallelEmbedding,
     check_dtype,
     check_shape,
+    copy_part,
     read,
+    tp_rank,
     tp_size,
 )
 from models.rotary import HeadLayout, RotaryEmbedding, head_layout, place_head_rows, rope_parameters, rotary_dim
 
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+SINK_MODEL_TYPES = ("gpt_oss",)  # a learned logit per query head in each softmax's denominator
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = ("gemma3_text",)  # RMSNorm scales by (1 + w): the weight loads as 1 + w
 POST_BLOCK_NORM_MODEL_TYPES = ("gemma3_text",)  # norms after attention and the MLP too (sandwich)
 SCALED_EMBEDDING_MODEL_TYPES = ("gemma3_text",)  # embeddings times sqrt(hidden_size)
@@ -78,6 +85,11 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def _load_heads(param: Tensor, loaded) -> None:
+    """A value per query head (attention sinks): this rank's heads, split as q's are."""
+    copy_part(param.data, loaded, 0, tp_rank(), tp_size())
+
+
 def norm_offset(config) -> float:
     return 1.0 if config.model_type in ONE_PLUS_WEIGHT_NORM_MODEL_TYPES else 0.0
 
@@ -103,6 +115,9 @@ class Attention(nn.Module):
                                                    quant=quant)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias, quant=quant)
         self.num_heads, self.num_kv_heads = (size // head_dim for size in self.qkv_proj.output_sizes[:2])
+        if config.model_type in SINK_MODEL_TYPES:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = _load_heads
         has_qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         offset = norm_offset(config)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset) if has_qk_norm else None
@@ -174,13 +189,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, layout: HeadLayout, quant: Fp8Format | None,
-                 window: int = 0):
+                 window: int = 0, routed: bool = False):
         super().__init__()
         eps, offset = config.rms_norm_eps, norm_offset(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.self_attn = Attention(config, rotary, layout, quant, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
-        self.mlp = MLP(config, quant)
+        self.mlp = MoeMLP(config) if routed else MLP(config, quant)
         self.post_block_norms = config.model_type in POST_BLOCK_NORM_MODEL_TYPES
         if self.post_block_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
@@ -216,8 +231,8 @@ class LlamaModel(nn.Module):
         self.embed_scale = None
         if config.model_type in SCALED_EMBEDDING_MODEL_TYPES:  # rounded to the model's dtype, as transformers does
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
-        self.layers = nn.ModuleList(DecoderLayer(config, rotaries[kind], layout, quant, window)
-                                    for kind, window in zip(types, layer_windows(config)))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotaries[kind], layout, quant, window, is_moe_layer(config, i))
+                                    for i, (kind, window) in enumerate(zip(types, layer_windows(config))))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_offset(config))
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -371,6 +386,10 @@ def check_supported(hf_config) -> None:
         raise ValueError(f"q/k norms over a head of {layout.head_dim} dimensions (not a power of two) are not "
                          "supported")
     check_tensor_parallel(hf_config, tp_size())
+    if any(is_moe_layer(config, i) for i in range(config.num_hidden_layers)):
+        if fp8_format(hf_config):
+            raise ValueError("FP8 checkpoints of mixture-of-experts models are not supported")
+        check_moe_tensor_parallel(config, tp_size())
 
 
 def check_tensor_parallel(hf_config, size: int) -> None:

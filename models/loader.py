@@ -10,33 +10,38 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from models.moe import moe_checkpoint_target
 from models.parallel_layers import default_weight_loader
 
 
 class NameMap:
     """From a checkpoint's tensor names to (our parameter name, slice index in a fused parameter or None), or
     None for a tensor we do not load. A name is rewritten by `rewrites` ((pattern, replacement) pairs, each
-    applied in turn), skipped if `skip` matches it, and then, when its module path ends with a key of
+    applied in turn), skipped if `skip` matches it, then given to `route` (a target for names that no module
+    rename expresses, such as stacked experts', or None), and then, when its module path ends with a key of
     `modules`, that ending is replaced by the module it goes into, with the slice it fills (longest key
     first)."""
 
     def __init__(self, modules: Mapping[str, tuple[str, int | None]], rewrites: tuple[tuple[str, str], ...] = (),
-                 skip: str | None = None):
+                 skip: str | None = None, route: Callable[[str], tuple[str, object] | None] | None = None):
         self.modules = sorted(modules.items(), key=lambda item: -len(item[0]))
         self.rewrites = [(re.compile(pattern), replacement) for pattern, replacement in rewrites]
         self.skip = re.compile(skip) if skip else None
+        self.route = route
 
-    def __call__(self, name: str) -> tuple[str, int | None] | None:
+    def __call__(self, name: str) -> tuple[str, object] | None:
         for pattern, replacement in self.rewrites:
             name = pattern.sub(replacement, name)
         if self.skip and self.skip.search(name):
             return None
+        if self.route and (routed := self.route(name)) is not None:
+            return routed
         module_path, _, leaf = name.rpartition(".")
         for key, (ours, index) in self.modules:
             if module_path == key or module_path.endswith("." + key):
@@ -61,9 +66,9 @@ DECODER_SKIPPED = r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_proj
 
 def decoder_names(model: nn.Module) -> NameMap:
     """The decoders' transformers names (see DECODER_REWRITES and DECODER_SKIPPED), and the LM head skipped when
-    it is tied to the embeddings."""
+    it is tied to the embeddings; routed experts' tensors go where models/moe.py says."""
     skip = DECODER_SKIPPED + (r"|^lm_head\.weight$" if model.tie_word_embeddings else "")
-    return NameMap(model.packed_modules, rewrites=DECODER_REWRITES, skip=skip)
+    return NameMap(model.packed_modules, rewrites=DECODER_REWRITES, skip=skip, route=moe_checkpoint_target)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -96,8 +101,12 @@ def _expected(model: nn.Module, params: dict) -> dict[str, set[int | None]]:
     """Every parameter the checkpoint must fill, with the slices of it (None: the whole parameter)."""
     expected = {}
     for name in params:
-        module = model.get_submodule(name.rpartition(".")[0])
-        expected[name] = set(range(len(module.output_sizes))) if hasattr(module, "output_sizes") else {None}
+        module_path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_path)
+        if hasattr(module, "checkpoint_slices"):  # stacked experts (models/moe.py)
+            expected[name] = set(module.checkpoint_slices(leaf))
+        else:
+            expected[name] = set(range(len(module.output_sizes))) if hasattr(module, "output_sizes") else {None}
     return expected
 
 

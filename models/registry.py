@@ -11,7 +11,8 @@ from transformers import AutoConfig
 # Architectures with an LM head (all served by models/llama.py; of a multimodal checkpoint, its text decoder),
 # and bare decoders (no head: embedding models saved as the base model).
 DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3MoeForCausalLM",
+            "GptOssForCausalLM")
 BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
@@ -64,6 +64,8 @@ def inverse_frequencies(dim: int, params: dict, max_model_len: int) -> tuple[Ten
         return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
         return llama3_inverse_frequencies(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return yarn_inverse_frequencies(inv_freq, params, dim)
     return inv_freq, 1.0
 
 
@@ -78,6 +80,34 @@ def llama3_inverse_frequencies(inv_freq: Tensor, params: dict) -> Tensor:
     scaled = torch.where(wavelen > old_context / low_freq_factor, inv_freq / factor, inv_freq)
     is_medium = (wavelen >= old_context / high_freq_factor) & (wavelen <= old_context / low_freq_factor)
     return torch.where(is_medium, ramped, scaled)
+
+
+def yarn_inverse_frequencies(inv_freq: Tensor, params: dict, dim: int) -> tuple[Tensor, float]:
+    """YaRN (gpt-oss): frequencies that turn more than beta_fast times over the original context are kept,
+    those that turn fewer than beta_slow times are slowed by `factor`, with a linear ramp over the rotary pairs
+    between (their bounds rounded outwards unless truncate is false); cos and sin scale by the attention factor,
+    0.1 ln(factor) + 1 unless the config sets it (or its mscale / mscale_all_dim ratio)."""
+    original, theta = params["original_max_position_embeddings"], params["rope_theta"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if (
+            mscale and mscale_all_dim) else _yarn_mscale(factor)
+
+    def pair_turning(rotations: float) -> float:  # the rotary pair whose frequency turns that often
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(params.get("beta_fast") or 32), pair_turning(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    slowed = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * slowed + inv_freq * (1 - slowed), attention_factor
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def longrope_inverse_frequencies(exponents: Tensor, params: dict, max_model_len: int) -> tuple[Tensor, float]:

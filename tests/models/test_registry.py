@@ -28,8 +28,8 @@ def test_missing_path_is_a_clear_error(tmp_path):
 
 def test_unknown_rope_type_is_refused():
     config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
-                         vocab_size=64, rope_scaling={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+                         vocab_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         LlamaForCausalLM(config)
 
 

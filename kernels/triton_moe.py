@@ -1,0 +1,341 @@
+"""Triton mixture-of-experts: the router's top-k choice and the routed experts' MLPs, in four launches.
+
+1. `select_experts`: per token, the top-k experts of the router logits and their softmax weights.
+2. `_align_kernel` (one program): the token-expert pairs ("rows": row r is token r // k's slot r % k) sorted
+   by expert on the device, each expert's rows padded to whole blocks of BLOCK_M. It writes the sorted rows
+   (padding rows hold the row count, an index past the end) and each block's expert (NUM_EXPERTS and above:
+   an unused block). Buffers are sized from the token count, k, the expert count and BLOCK_M alone, so the
+   launch captures in a CUDA graph and nothing reads a count back to the host.
+3. `_gate_up_kernel`: a grouped GEMM over every block of every expert. Each program takes one block's rows
+   and a tile of the expert's intermediate features, computes the gate and up products side by side, adds the
+   biases and applies the activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU) before storing.
+4. `_down_kernel`: the same grouping for the down projection; its epilogue adds the bias, scales each row by
+   its top-k weight and stores the row at its token-slot position. A sum over the k slots of each token ends it.
+
+Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
+gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H].
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+
+ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """BLOCK_M (rows of one expert per program, and the padding unit of the sort) and each GEMM's tiles."""
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+# (most tokens, tiles): the first row whose bound covers the step's token count. Decode-sized steps route a
+# few rows to each expert, so their blocks are small and their column tiles narrow (more programs per
+# expert weight read); prefill steps give each expert many rows and take wide tiles.
+TILE_TABLE = (
+    (64, MoeTiles(16, GemmTiles(32, 128, 4, 4), GemmTiles(32, 128, 4, 4))),
+    (512, MoeTiles(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
+    (math.inf, MoeTiles(64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))),
+)
+
+
+def choose_tiles(num_tokens: int) -> MoeTiles:
+    return next(tiles for bound, tiles in TILE_TABLE if num_tokens <= bound)
+
+
+def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The most blocks `num_rows` rows can fill: each expert with rows wastes less than one block."""
+    return num_rows // block_m + min(num_experts, num_rows)
+
+
+# ---- routing -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, NUM_EXPERTS: tl.constexpr,
+                           EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                           RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_POW2)
+    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS,
+                     other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    slots = tl.arange(0, TOP_K_POW2)
+    chosen = tl.zeros([TOP_K_POW2], dtype=tl.int32)
+    chosen_probs = tl.zeros([TOP_K_POW2], dtype=tl.float32)
+    remaining = logits
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, 0)
+        chosen = tl.where(slots == slot, best, chosen)
+        chosen_probs = tl.where(slots == slot, tl.sum(tl.where(experts == best, probs, 0.0), 0), chosen_probs)
+        remaining = tl.where(experts == best, -float("inf"), remaining)
+    total = tl.sum(chosen_probs, 0) if RENORMALIZE else tl.sum(probs, 0)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_probs / total, mask=slots < TOP_K)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (ids [T, k] int32, weights [T, k] float32): the k largest logits in descending
+    order and their softmax probabilities over all experts, or over the k chosen when renormalize."""
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"select_experts: top_k={top_k} must be between 1 and the {num_experts} experts")
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    if num_tokens:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        _select_experts_kernel[(num_tokens,)](
+            logits, ids, weights, logits.stride(0), NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, num_warps=1 if num_experts <= 128 else 2, **launch_options(logits))
+    return ids, weights
+
+
+# ---- sorting rows by expert --------------------------------------------------------------------------
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, num_rows, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, num_rows, CHUNK):  # rows per expert; rows past the end count in bin NUM_EXPERTS
+        offsets = start + tl.arange(0, CHUNK)
+        experts = tl.load(ids_ptr + offsets, mask=offsets < num_rows, other=NUM_EXPERTS)
+        counts += tl.histogram(experts, BINS)
+    blocks = tl.where(bins < NUM_EXPERTS, tl.cdiv(counts, BLOCK_M), 0)
+    blocks_end = tl.cumsum(blocks, 0)
+    tl.atomic_xchg(cursor_ptr + bins, (blocks_end - blocks) * BLOCK_M)  # each expert's first sorted slot
+    for start in range(0, num_blocks, BLOCK_CHUNK):  # a block's expert: the experts whose blocks end before it
+        block = start + tl.arange(0, BLOCK_CHUNK)
+        owner = tl.sum((blocks_end[None, :] <= block[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + block, owner, mask=block < num_blocks)
+    for start in range(0, num_blocks * BLOCK_M, CHUNK):
+        slots = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + slots, tl.full([CHUNK], 0, tl.int32) + num_rows, mask=slots < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the cursors and padding are in place before any row takes its slot
+    for start in range(0, num_rows, CHUNK):
+        offsets = start + tl.arange(0, CHUNK)
+        mask = offsets < num_rows
+        experts = tl.load(ids_ptr + offsets, mask=mask, other=0)
+        slots = tl.atomic_add(cursor_ptr + experts, 1, mask=mask)  # rows of one expert in any order
+        tl.store(sorted_ptr + slots, offsets, mask=mask)
+
+
+def align_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted rows [num_blocks * block_m] int32, block experts [num_blocks] int32), with
+    num_blocks = max_blocks(T * k, num_experts, block_m): each expert's rows in whole blocks, the padding rows
+    T * k, and unused blocks' expert >= num_experts. The order of an expert's rows within its blocks is
+    arbitrary (each row's result does not depend on its neighbours)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    num_rows = ids.numel()
+    num_blocks = max_blocks(num_rows, num_experts, block_m)
+    bins = triton.next_power_of_2(num_experts + 1)
+    sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    cursors = torch.empty(bins, dtype=torch.int32, device=ids.device)
+    chunk = min(max(triton.next_power_of_2(num_rows), 16), 1024)
+    _align_kernel[(1,)](ids, sorted_rows, block_experts, cursors, num_rows, num_blocks, NUM_EXPERTS=num_experts,
+                        BINS=bins, BLOCK_M=block_m, CHUNK=chunk, BLOCK_CHUNK=max(16, 4096 // bins),
+                        num_warps=4 if chunk <= 256 else 8, **launch_options(ids))
+    return sorted_rows, block_experts
+
+
+# ---- grouped GEMMs --------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, stride_x, INTER, K,
+                    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA, LIMIT,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots."""
+    pid = tl.program_id(0)
+    num_col_tiles = tl.cdiv(INTER, BLOCK_N)
+    block = pid // num_col_tiles
+    cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < INTER
+    wait_for_previous(USE_PDL)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < NUM_EXPERTS:
+        slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(sorted_ptr + slots)
+        row_mask = rows < num_rows
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]
+        gate_ptrs = w_ptr + expert.to(tl.int64) * 2 * INTER * K + cols[:, None] * K + ks[None, :]
+        up_ptrs = gate_ptrs + INTER * K
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+                w_gate = tl.load(gate_ptrs, mask=col_mask[:, None], other=0.0)
+                w_up = tl.load(up_ptrs, mask=col_mask[:, None], other=0.0)
+            else:
+                k_mask = (k0 + ks < K)[None, :]
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
+                w_gate = tl.load(gate_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
+                w_up = tl.load(up_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
+            gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, tl.trans(w_up), up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+        release_next(USE_PDL)
+        if HAS_BIAS:
+            bias = bias_ptr + expert.to(tl.int64) * 2 * INTER + cols
+            gate += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias + INTER, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED_SWIGLU:  # gpt-oss: gate clamped above, up on both sides, then (up + 1) * gate * sigmoid(a gate)
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            y = (up + 1.0) * gate / (1.0 + tl.exp(-ALPHA * gate))
+        else:
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * INTER + cols[None, :]
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, N, K,
+                 NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations)."""
+    pid = tl.program_id(0)
+    num_col_tiles = tl.cdiv(N, BLOCK_N)
+    block = pid // num_col_tiles
+    cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    wait_for_previous(USE_PDL)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < NUM_EXPERTS:
+        slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(sorted_ptr + slots)
+        row_mask = rows < num_rows
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+            else:
+                k_mask = (k0 + ks < K)[None, :]
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        release_next(USE_PDL)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc *= tl.load(weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _gemm_options(tiles: GemmTiles, k: int, dtype: torch.dtype) -> dict:
+    return dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
+
+
+def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+              tiles: MoeTiles | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for each token t: [T, H] in hidden's dtype.
+    tiles: the kernels' tiles (choose_tiles(T) by default)."""
+    check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation)
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if not num_tokens:
+        return torch.zeros_like(hidden)
+    tiles = tiles or choose_tiles(num_tokens)
+    sorted_rows, block_experts = align_rows(topk_ids, w_gate_up.shape[0], tiles.block_m)
+    activations = expert_activations(hidden, sorted_rows, block_experts, w_gate_up, b_gate_up, top_k, activation,
+                                     swiglu_alpha, swiglu_limit, tiles.block_m, tiles.gate_up)
+    per_slot = weighted_expert_outputs(activations, sorted_rows, block_experts, w_down, b_down, topk_weights,
+                                       tiles.block_m, tiles.down)
+    if top_k == 1:
+        return per_slot
+    return per_slot.view(num_tokens, top_k, hidden_size).sum(1)
+
+
+def expert_activations(hidden: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+                       w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None, top_k: int, activation: str,
+                       swiglu_alpha: float, swiglu_limit: float, block_m: int, tiles: GemmTiles) -> torch.Tensor:
+    """The gate/up GEMM with the activation: [num_blocks * block_m, I], row s for sorted slot s (padding
+    slots unwritten)."""
+    (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w_gate_up.shape
+    inter, num_blocks = two_inter // 2, block_experts.numel()
+    activations = torch.empty((num_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.block_n),)](
+        hidden, w_gate_up, b_gate_up if b_gate_up is not None else w_gate_up, activations, sorted_rows, block_experts,
+        num_tokens * top_k, hidden.stride(0), inter, hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts,
+        CLAMPED_SWIGLU=activation == "clamped_swiglu", ALPHA=swiglu_alpha, LIMIT=swiglu_limit,
+        HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m, **_gemm_options(tiles, hidden_size, hidden.dtype),
+        **launch_options(hidden))
+    return activations
+
+
+def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+                            w_down: torch.Tensor, b_down: torch.Tensor | None, topk_weights: torch.Tensor,
+                            block_m: int, tiles: GemmTiles) -> torch.Tensor:
+    """The down GEMM with bias and top-k weight: [T * k, H], row r for token r // k's slot r % k."""
+    (num_experts, hidden_size, inter), num_rows = w_down.shape, topk_weights.numel()
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    per_slot = torch.empty((num_rows, hidden_size), dtype=activations.dtype, device=activations.device)
+    _down_kernel[(block_experts.numel() * triton.cdiv(hidden_size, tiles.block_n),)](
+        activations, w_down, b_down if b_down is not None else w_down, weights, per_slot, sorted_rows, block_experts,
+        num_rows, hidden_size, inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=block_m,
+        **_gemm_options(tiles, inter, activations.dtype), **launch_options(activations))
+    return per_slot
+
+
+def check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation) -> None:
+    """ValueError naming the argument whose shape or kind does not fit the others."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    if hidden.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError("fused_moe: hidden must be [T, H], w_gate_up [E, 2I, H] and w_down [E, H, I]")
+    num_experts, two_inter, hidden_size = w_gate_up.shape
+    expected = {
+        "topk_weights": (topk_weights.shape, tuple(topk_ids.shape)),
+        "topk_ids": (topk_ids.shape[:1], (hidden.shape[0],)),
+        "w_gate_up": (w_gate_up.shape[2:], (hidden.shape[1],)),
+        "w_down": (w_down.shape, (num_experts, hidden_size, two_inter // 2)),
+        "b_gate_up": (None if b_gate_up is None else b_gate_up.shape, (num_experts, two_inter)),
+        "b_down": (None if b_down is None else b_down.shape, (num_experts, hidden_size)),
+    }
+    for name, (shape, wanted) in expected.items():
+        if shape is not None and tuple(shape) != tuple(wanted):
+            raise ValueError(f"fused_moe: {name} has shape {tuple(shape)}, expected {tuple(wanted)}")
+    if two_inter % 2 or topk_ids.dim() != 2:
+        raise ValueError("fused_moe: w_gate_up needs an even row count (gate rows, then up rows) and topk_ids [T, k]")
+    if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+        raise ValueError("fused_moe: the expert weights must be contiguous")

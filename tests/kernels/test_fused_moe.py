@@ -1,0 +1,135 @@
+"""The Triton mixture of experts (routing, the sort by expert, the grouped GEMMs) against the torch reference's
+loop over experts, with uneven expert loads, experts that get no token, top-k 1, 2 and 8, one token, biases
+on and off, and both activations."""
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, TOLERANCE, assert_close, cuda_only
+
+from kernels import reference
+from kernels.triton_moe import (
+    GemmTiles,
+    MoeTiles,
+    align_rows,
+    fused_moe,
+    max_blocks,
+    select_experts,
+)
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
+SMALL_TILES = MoeTiles(16, GemmTiles(16, 16, 4, 2), GemmTiles(16, 16, 4, 2))
+
+
+def skewed_routing(num_tokens, num_experts, top_k, empty=2):
+    """Router choices where the first two experts take most tokens and the last `empty` experts none."""
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE)
+    logits[:, :2] += 3.0
+    if empty:
+        logits[:, -empty:] = -1e4
+    return reference.select_experts(logits, top_k, renormalize=True)
+
+
+def expert_weights(num_experts, hidden, inter, dtype, bias):
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE) / hidden**0.5).to(dtype)
+    w_down = (torch.randn(num_experts, hidden, inter, device=DEVICE) / inter**0.5).to(dtype)
+    b_gate_up = torch.randn(num_experts, 2 * inter, device=DEVICE).to(dtype) if bias else None
+    b_down = torch.randn(num_experts, hidden, device=DEVICE).to(dtype) if bias else None
+    return w_gate_up, w_down, b_gate_up, b_down
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts,top_k", [(4, 1), (8, 2), (6, 6), (64, 8), (128, 8)])
+def test_select_experts_matches_reference(num_experts, top_k, renormalize):
+    logits = torch.randn(5, num_experts, device=DEVICE)
+    ids, weights = select_experts(logits, top_k, renormalize)
+    expected_ids, expected_weights = reference.select_experts(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and torch.equal(ids, expected_ids)
+    assert_close(weights, expected_weights, torch.float32)
+
+
+def test_select_experts_rejects_top_k_above_experts():
+    with pytest.raises(ValueError, match="top_k=5"):
+        select_experts(torch.randn(2, 4, device=DEVICE), 5, True)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (9, 6, 2, 16), (40, 8, 8, 16),
+                                                                  (33, 16, 1, 32), (300, 4, 2, 16)])
+def test_align_rows_sorts_every_row_into_its_experts_blocks(num_tokens, num_experts, top_k, block_m):
+    ids, _ = skewed_routing(num_tokens, num_experts, top_k, empty=1)
+    num_rows = num_tokens * top_k
+    sorted_rows, block_experts = align_rows(ids, num_experts, block_m)
+    num_blocks = max_blocks(num_rows, num_experts, block_m)
+    assert sorted_rows.shape == (num_blocks * block_m,) and block_experts.shape == (num_blocks,)
+    rows = sorted_rows.view(num_blocks, block_m).long().cpu()
+    owners = block_experts.long().cpu()
+    flat = ids.reshape(-1).long().cpu()
+    real = rows < num_rows
+    assert (rows[~real] == num_rows).all()  # padding points past the end
+    assert sorted(rows[real].tolist()) == list(range(num_rows))  # every row exactly once
+    used = owners < num_experts
+    assert not real[~used].any()  # unused blocks hold padding only
+    assert (flat[rows[real]] == owners[:, None].expand_as(rows)[real]).all()  # a block's rows are its expert's
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks_per_expert = torch.bincount(owners[used], minlength=num_experts)
+    assert torch.equal(blocks_per_expert, -(-counts // block_m))  # as few blocks as each expert needs
+    assert (owners[used].diff() >= 0).all() and (owners[~used] >= num_experts).all()
+    assert used[: int(used.sum())].all()  # used blocks first
+
+
+def test_align_rows_buffers_depend_only_on_sizes():
+    """A CUDA graph replays the same buffers whatever the routing: sizes follow T, k, E and BLOCK_M alone."""
+    spread = torch.arange(12, device=DEVICE, dtype=torch.int32).view(6, 2) % 8
+    crowded = torch.tensor([[0, 1]] * 6, device=DEVICE, dtype=torch.int32)
+    shapes = {tuple(t.shape for t in align_rows(ids, 8, 16)) for ids in (spread, crowded)}
+    assert len(shapes) == 1
+
+
+CASES = [  # (tokens, hidden, inter, experts, top_k, tiles)
+    (1, 32, 16, 8, 2, SMALL_TILES),                                       # one token
+    (1, 32, 16, 8, 8, SMALL_TILES),                                       # top-8 of 8
+    (7, 48, 32, 6, 1, SMALL_TILES),                                       # top-1; K not a multiple of BLOCK_K=32
+    (20, 32, 24, 8, 2, MoeTiles(16, GemmTiles(16, 32, 4, 2), GemmTiles(16, 32, 4, 2))),  # ragged I and K tiles
+    (37, 64, 32, 16, 8, SMALL_TILES),                                     # several blocks per busy expert
+    (24, 32, 16, 4, 2, MoeTiles(32, GemmTiles(32, 16, 4, 2), GemmTiles(32, 16, 4, 2))),
+    *cuda_only((256, 2048, 768, 128, 8, None), (2048, 2048, 768, 128, 8, None), (64, 2880, 1440, 32, 4, None)),
+]
+
+
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k,tiles", CASES)
+def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top_k, tiles, dtype, bias, activation):
+    ids, weights = skewed_routing(num_tokens, num_experts, top_k, empty=min(2, num_experts - top_k))
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    experts = expert_weights(num_experts, hidden, inter, dtype, bias)
+    kwargs = dict(activation=activation, swiglu_alpha=1.702, swiglu_limit=1.5)  # a limit the values cross
+    expected = reference.fused_moe(x.float(), ids, weights, *(w if w is None else w.float() for w in experts),
+                                   **kwargs)
+    assert_moe_close(fused_moe(x, ids, weights, *experts, tiles=tiles, **kwargs), expected, dtype)
+
+
+def assert_moe_close(actual, expected, dtype):
+    """Within three roundings to dtype: the kernels store the activations and each slot's output in the
+    input dtype before the sum over the k slots."""
+    tol = 3 * TOLERANCE[dtype] if dtype != torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_fused_moe_reads_strided_hidden_rows():
+    x = torch.randn(5, 64, device=DEVICE)[:, :32]
+    ids, weights = skewed_routing(5, 4, 2, empty=0)
+    experts = expert_weights(4, 32, 16, torch.float32, bias=True)
+    expected = reference.fused_moe(x, ids, weights, *experts)
+    assert_close(fused_moe(x, ids, weights, *experts, tiles=SMALL_TILES), expected, torch.float32)
+
+
+def test_fused_moe_rejects_mismatched_weights():
+    x = torch.randn(3, 32, device=DEVICE)
+    ids, weights = skewed_routing(3, 4, 2, empty=0)
+    w_gate_up, w_down, _, _ = expert_weights(4, 32, 16, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="w_down has shape"):
+        fused_moe(x, ids, weights, w_gate_up, w_down[:, :, :8].contiguous())
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        fused_moe(x, ids, weights, w_gate_up, w_down, activation="gelu")
+
