@@ -3,15 +3,16 @@
 Chat (`chat_completions`) picks its behaviour from the request's `model`:
   echo (default)  streams the last message's content back word by word; the last chunk carries
                   finish_reason "stop" and usage (prompt_tokens = characters in, completion = words out)
-  slow            a chunk every 20 ms, up to 500; its cleanup is recorded as "<last message's content> cancelled"
+  slow            a chunk every 20 ms, up to 500 (or max_tokens); its cleanup is recorded as "<last message's content> cancelled"
                   (or "... done" when it ran out)
   cleanups        answers with the recorded cleanups, space separated
   fail            raises ValueError("echo worker was asked to fail")
   stall           sends nothing for an hour (its cleanup is recorded like slow's)
   crash           sends one chunk, then the whole process exits with code 3
 `tokenize` maps each character to its code point; `embeddings` returns a 4-float vector per token list.
-Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, slow, cleanups, big, silent_stream, unencodable.
-Every recorded cleanup is also written to stderr as "cleanup: <tag>".
+Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, slow, paced, cleanups, big, silent_stream,
+unencodable. Every recorded cleanup is also written to stderr as "cleanup: <tag>". HFENDPOINT_DRAIN_TIMEOUT sets
+the drain timeout after EOF, as it does for the real handler.
 """
 import asyncio
 import os
@@ -65,7 +66,7 @@ async def chat_completions(data):
         await asyncio.sleep(0.05)
         os._exit(3)
     if model == "slow":
-        async for i in slow_stream(last):
+        async for i in slow_stream(last, data.get("max_tokens") or 500):
             yield {"content": f"{i} ", "finish_reason": None}
         yield {"content": "", "finish_reason": "length"}
         return
@@ -122,6 +123,13 @@ async def slow(data):
         yield i
 
 
+@daemon_protocol.handler("paced")
+async def paced(data):
+    """{"tag", "n"}: n chunks, one every 20 ms."""
+    async for i in slow_stream(data["tag"], data["n"]):
+        yield i
+
+
 @daemon_protocol.handler("cleanups")
 def list_cleanups(data):
     return cleanups
@@ -145,4 +153,5 @@ async def unencodable(data):
 
 
 if __name__ == "__main__":
-    daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None)
+    daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None,
+                          drain_timeout=float(os.environ.get("HFENDPOINT_DRAIN_TIMEOUT", "30")))
