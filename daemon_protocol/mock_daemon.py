@@ -5,7 +5,8 @@
 Routes: GET / and /health, GET /v1/models, POST /v1/chat/completions (SSE when "stream": true),
 POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the worker as
 `data`; a client that disconnects mid-stream makes the daemon send `cancel`. Port 0 picks a free
-port; the address is logged as "listening on http://HOST:PORT".
+port; the address is logged as "listening on http://HOST:PORT". On SIGINT/SIGTERM it stops accepting connections,
+lets the responses in flight finish (the worker sees EOF and drains), then exits.
 """
 import argparse
 import asyncio
@@ -26,6 +27,7 @@ from .worker_connection import CHAT_QUEUE_CHUNKS, UnencodableRequest, WorkerConn
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
+IDLE_TIMEOUT_S = 75.0    # a connection with no request, or a request body, silent this long is closed
 MAX_TOKEN_ID = (1 << 32) - 1
 
 CONNECTION = web.AppKey("connection", WorkerConnection)
@@ -48,8 +50,7 @@ async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes."""
     key = request.app[SETTINGS]["api_key"]
     if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if not bearer_matches(request.headers.get("Authorization", ""), key):
             return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
     try:
@@ -70,10 +71,38 @@ async def openai_errors(request: web.Request, handler):
         return error_response(exc.status, exc.reason)
 
 
+def bearer_matches(authorization: str, key: str) -> bool:
+    """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+    scheme, _, credentials = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), key.encode())
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, refused (408) when the client stops sending it for the idle timeout."""
+    timeout = request.app[SETTINGS]["idle_timeout"]
+    body = bytearray()
+    while True:
+        try:
+            async with asyncio.timeout(timeout):
+                piece = await request.content.readany()
+        except TimeoutError:
+            raise ApiError(408, f"the request body stopped arriving for {timeout:g} s", code="timeout") from None
+        if not piece:
+            return bytes(body)
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+
+
 async def read_json_object(request: web.Request) -> dict:
+    """The body as a JSON object; anything json cannot parse (bad syntax or encoding, nesting deeper than
+    Python's recursion limit) is a 400."""
+    raw = await read_body(request)
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply to parse") from None
+    except ValueError as exc:  # UnicodeDecodeError included
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -286,10 +315,12 @@ async def responses(request: web.Request) -> web.Response:
                   "total_tokens": usage.get("total_tokens", 0)}})
 
 
-def make_app(connection: WorkerConnection, api_key: str | None, model: str, chunk_timeout: float) -> web.Application:
+def make_app(connection: WorkerConnection, api_key: str | None, model: str, chunk_timeout: float,
+             idle_timeout: float = IDLE_TIMEOUT_S) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
     app[CONNECTION] = connection
-    app[SETTINGS] = {"api_key": api_key, "model": model, "chunk_timeout": chunk_timeout, "started": int(time.time())}
+    app[SETTINGS] = {"api_key": api_key, "model": model, "chunk_timeout": chunk_timeout,
+                     "idle_timeout": idle_timeout, "started": int(time.time())}
     app.router.add_get("/", health)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
@@ -300,7 +331,10 @@ def make_app(connection: WorkerConnection, api_key: str | None, model: str, chun
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code."""
+    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code.
+
+    On a signal, as the production daemon does: stop accepting connections, drop the write half of the worker's
+    socket (the worker finishes the requests in flight, then exits), and let their responses finish."""
     connection = WorkerConnection(args.worker)
     try:
         await connection.start()
@@ -308,8 +342,9 @@ async def serve(args: argparse.Namespace) -> int:
         error(f"cannot start the worker {args.worker!r}: {exc}")
         return 1
     app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
-                   args.model_name, args.chunk_timeout)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+                   args.model_name, args.chunk_timeout, args.idle_timeout)
+    # keepalive_timeout closes a connection idle between requests, or one that never completes a request's head
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=args.idle_timeout)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -322,8 +357,10 @@ async def serve(args: argparse.Namespace) -> int:
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({stopping, connection.closed}, return_when=asyncio.FIRST_COMPLETED)
     by_signal = stop.is_set()
-    error("shutting down (signal)" if by_signal else "the worker closed its socket; shutting down")
     await site.stop()
+    runner.server.pre_shutdown()  # idle connections close now, busy ones after their response
+    error("shutting down (signal): no new connections; finishing the requests in flight" if by_signal
+          else "the worker closed its socket; shutting down")
     code = await connection.stop()
     await runner.cleanup()
     stopping.cancel()
@@ -342,6 +379,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the model id /v1/models lists (default: $MODEL_ID)")
     parser.add_argument("--chunk-timeout", type=float, default=CHUNK_TIMEOUT_S,
                         help="seconds to wait between two chunks of one request (default 300)")
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+                        help="seconds before closing a connection that sends no request, or stops sending a "
+                             "request body (default 75)")
     parser.add_argument("worker", nargs=argparse.REMAINDER, help="-- WORKER_CMD [ARGS...]")
     args = parser.parse_args(argv)
     if args.worker[:1] == ["--"]:
