@@ -13,6 +13,7 @@ import daemon_protocol
 from engine import EngineConfig, Worker
 from handler.model_source import ModelNotFound, resolve_model
 from handler.service import Service
+from handler.settings import HandlerSettings
 from handler.tokenizer import load_tokenizer
 
 HANDLER_NAMES = ("chat_completions", "tokenize", "embeddings", "models", "stats")
@@ -21,6 +22,7 @@ FATAL_EXIT_GRACE_S = 1.0
 
 def main() -> int:
     try:
+        settings = HandlerSettings.from_env()
         model = resolve_model()
         config = EngineConfig.from_env(model.path)
     except (ModelNotFound, ValueError) as exc:
@@ -39,10 +41,10 @@ def main() -> int:
         stats = worker.stats()
         daemon_protocol.error(f"handler: ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
                               f"max_model_len {worker.max_model_len}, {stats['num_total_blocks']} KV blocks")
-        service = Service(worker, tokenizer, name)
+        service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
-        daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None)
+        daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None, drain_timeout=settings.drain_timeout)
         return 0
     finally:
         worker.shutdown()

@@ -2,44 +2,61 @@
 
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
 the request's error reply. Chat runs on the engine Worker through a per-request queue of outputs.
-Encoding (chat templates, tokenizing) runs on a thread of its own, with its own copy of the tokenizer, so a
-long prompt does not hold up the event loop that streams every other request's chunks.
+Encoding (chat templates, tokenizing) runs on a small pool of threads, each with its own copy of the tokenizer,
+so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
+the requests behind it. A request cancelled while its encoding waits for a thread is never encoded; one
+cancelled while encoding (a template render cannot be interrupted) is dropped once it ends, before the engine
+sees it.
 """
 
 import asyncio
 import copy
+import dataclasses
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine import Worker
-from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults, type_name
+from handler.chat import (ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults,
+                          type_name)
 from handler.detokenizer import Detokenizer
+from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
+
+ENCODER_THREADS = 4  # requests encoded at once
 
 
 class Service:
-    def __init__(self, worker: Worker, tokenizer, model_name: str):
+    def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings = HandlerSettings()):
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
         tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
-        # A copy: tokenizers refuses to use one tokenizer from two threads while one reconfigures it
-        # (truncation), so the encoding thread shares nothing with the loop's decoding.
+        # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
+        # This one is only copied from, by each encoding thread as it starts.
         self.chat_model = ChatModel(copy.deepcopy(tokenizer), worker.max_model_len, eos,
-                                    sampling_defaults(worker.model_dir))
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+                                    sampling_defaults(worker.model_dir), max_chars_per_token(tokenizer),
+                                    settings.trust_request_chat_template)
+        self._encoder_state = threading.local()
+        self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
+                                          initializer=self._start_encoder_thread)
         self._request_ids = itertools.count(1)
 
-    async def encode(self, function, *args):
-        """function(*args) on the encoding thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.encoder, function, *args)
+    def _start_encoder_thread(self) -> None:
+        self._encoder_state.chat_model = dataclasses.replace(self.chat_model,
+                                                             tokenizer=copy.deepcopy(self.chat_model.tokenizer))
+
+    async def encode(self, job):
+        """job(chat_model) on an encoding thread, with that thread's own ChatModel (its own tokenizer)."""
+        state = self._encoder_state
+        return await asyncio.get_running_loop().run_in_executor(self.encoder, lambda: job(state.chat_model))
 
     async def chat_completions(self, data):
         """Streams {"content", "finish_reason"} chunks; the last one has a finish_reason and usage."""
         if self.worker.kind != "decoder":
             raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
-        request = await self.encode(parse_chat_request, data, self.chat_model)
+        request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model))
         request_id = f"chat-{next(self._request_ids)}"
         completion = Completion(Detokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids, request.stop))
         outputs = self.worker.submit(request_id, request.prompt_token_ids, request.params)
@@ -67,7 +84,8 @@ class Service:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text:
                 raise RequestError(f"input[{i}] must be a non-empty string, got {text!r}")
-        tokens = await self.encode(embedding_token_ids, self.chat_model.tokenizer, texts, self.worker.max_model_len)
+        tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
+                                                                          self.worker.max_model_len))
         return {"tokens": tokens}
 
     async def embeddings(self, data):
