@@ -49,10 +49,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes."""
     key = request.app[SETTINGS]["api_key"]
-    if key and request.path.startswith("/v1/"):
-        if not bearer_matches(request.headers.get("Authorization", ""), key):
-            return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
+    if key and request.path.startswith("/v1/") and not bearer_matches(request.headers.get("Authorization", ""), key):
+        return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
     try:
         return await handler(request)
     except ApiError as exc:

@@ -1,9 +1,9 @@
 """`run()`: serve the registered handlers over one transport until the daemon goes away."""
 import asyncio
 
+from .log import error
 from .registry import Registry, default_registry
 from .session import DRAIN_TIMEOUT_S, Session
-from .log import error
 from .transports import TransportError, open_transport, parse_transport, transport_from_env
 from .writer import ReplyWriter
 

@@ -17,8 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine import Worker
-from handler.chat import (ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults,
-                          type_name)
+from handler.chat import ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.detokenizer import Detokenizer
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
@@ -27,7 +26,8 @@ ENCODER_THREADS = 4  # requests encoded at once
 
 
 class Service:
-    def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings = HandlerSettings()):
+    def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None):
+        settings = settings or HandlerSettings()
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name

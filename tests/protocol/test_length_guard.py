@@ -4,8 +4,7 @@ import struct
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from daemon_protocol.length_guard import LengthGuard
 
