@@ -1,7 +1,8 @@
 #!/bin/sh
 # Container entrypoint: check the configuration in milliseconds, then exec the front daemon (hfendpoint,
 # or our mock daemon when hfendpoint is not installed) with `python -m handler` as its worker.
-# exec, so that the daemon gets the container's signals; the daemon stops the handler on SIGTERM.
+# exec, so that the daemon gets the container's signals; on SIGTERM the daemon stops taking requests and
+# sends the handler EOF, and the handler finishes those in flight (HFENDPOINT_DRAIN_TIMEOUT) and exits.
 set -eu
 
 usage() {
@@ -35,7 +36,9 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_TENSOR_PARALLEL_SIZE, HFENDPOINT_KV_BLOCK_SIZE, HFENDPOINT_CPU_KV_CACHE_GB,
   HFENDPOINT_NUM_KV_BLOCKS, HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS, HFENDPOINT_MODEL_NAME,
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
-  HFENDPOINT_FP8_GEMM
+  HFENDPOINT_FP8_GEMM,
+  HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
+  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30)
 EOF
 }
 

@@ -10,6 +10,8 @@ port; the address is logged as "listening on http://HOST:PORT".
 Unlike the production daemon, it answers a worker's error reply with the HTTP status the reply carries
 (docs/errors.md), names the model as the worker does (its `models` reply), and /health answers 503 until
 the worker has loaded its model and whenever it stops answering (daemon_protocol/worker_health.py).
+On SIGINT/SIGTERM it stops accepting connections, lets the responses in flight finish (the worker sees EOF and
+drains), then exits.
 """
 import argparse
 import asyncio
@@ -35,6 +37,7 @@ from .worker_health import HEALTH_TIMEOUT_S, WorkerHealth
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
+IDLE_TIMEOUT_S = 75.0    # a connection with no request, or a request body, silent this long is closed
 MAX_TOKEN_ID = (1 << 32) - 1
 DEFAULT_MODEL_NAME = "hfendpoint"  # for a worker that does not answer `models` with an id
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -85,11 +88,9 @@ async def count_requests(request: web.Request, handler):
 async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes."""
     key = request.app[SETTINGS]["api_key"]
-    if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
+    if key and request.path.startswith("/v1/") and not bearer_matches(request.headers.get("Authorization", ""), key):
+        return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
     try:
         return await handler(request)
     except ApiError as exc:
@@ -108,10 +109,38 @@ async def openai_errors(request: web.Request, handler):
         return error_response(exc.status, exc.reason)
 
 
+def bearer_matches(authorization: str, key: str) -> bool:
+    """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+    scheme, _, credentials = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), key.encode())
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, refused (408) when the client stops sending it for the idle timeout."""
+    timeout = request.app[SETTINGS]["idle_timeout"]
+    body = bytearray()
+    while True:
+        try:
+            async with asyncio.timeout(timeout):
+                piece = await request.content.readany()
+        except TimeoutError:
+            raise ApiError(408, f"the request body stopped arriving for {timeout:g} s", code="timeout") from None
+        if not piece:
+            return bytes(body)
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+
+
 async def read_json_object(request: web.Request) -> dict:
+    """The body as a JSON object; anything json cannot parse (bad syntax or encoding, nesting deeper than
+    Python's recursion limit) is a 400."""
+    raw = await read_body(request)
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply to parse") from None
+    except ValueError as exc:  # UnicodeDecodeError included
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -355,11 +384,12 @@ async def responses(request: web.Request) -> web.Response:
 
 
 def make_app(connection: WorkerConnection, api_key: str | None, chunk_timeout: float,
-             health_timeout: float = HEALTH_TIMEOUT_S) -> web.Application:
+             health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S) -> web.Application:
     """The HTTP front of a started WorkerConnection; the worker's health probe runs while the app does."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, openai_errors])
     app[CONNECTION] = connection
-    app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "started": int(time.time())}
+    app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "idle_timeout": idle_timeout,
+                     "started": int(time.time())}
     app[HEALTH] = health_state = WorkerHealth(connection, health_timeout)
     app[METRICS] = ServingMetrics(lambda: health_state.stats, lambda: health_state.problem() is None)
     app.cleanup_ctx.append(watch_worker)
@@ -380,7 +410,10 @@ async def watch_worker(app: web.Application):
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code."""
+    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code.
+
+    On a signal, as the production daemon does: stop accepting connections, drop the write half of the worker's
+    socket (the worker finishes the requests in flight, then exits), and let their responses finish."""
     try:  # first, so that a busy port fails before the worker loads anything
         sock = listening_socket(args.host, args.port)
     except OSError as exc:
@@ -396,8 +429,9 @@ async def serve(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
-                   args.chunk_timeout, args.health_timeout)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+                   args.chunk_timeout, args.health_timeout, args.idle_timeout)
+    # keepalive_timeout closes a connection idle between requests, or one that never completes a request's head
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=args.idle_timeout)
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()
@@ -410,8 +444,10 @@ async def serve(args: argparse.Namespace) -> int:
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({stopping, connection.closed}, return_when=asyncio.FIRST_COMPLETED)
     by_signal = stop.is_set()
-    log.info("shutting down (signal)" if by_signal else "the worker closed its socket; shutting down")
     await site.stop()
+    runner.server.pre_shutdown()  # idle connections close now, busy ones after their response
+    log.info("shutting down (signal): no new connections; finishing the requests in flight" if by_signal
+             else "the worker closed its socket; shutting down")
     code = await connection.stop()
     await runner.cleanup()
     stopping.cancel()
@@ -436,6 +472,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
                         help="seconds a health probe of the worker may go unanswered before /health answers 503 "
                              f"(default {HEALTH_TIMEOUT_S:g})")
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+                        help="seconds before closing a connection that sends no request, or stops sending a "
+                             "request body (default 75)")
     parser.add_argument("worker", nargs=argparse.REMAINDER, help="-- WORKER_CMD [ARGS...]")
     args = parser.parse_args(argv)
     if args.worker[:1] == ["--"]:

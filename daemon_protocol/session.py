@@ -1,8 +1,11 @@
 """The request loop: decode requests from the daemon, run one task per request, send replies.
 
-Failure rules (docs/protocol.md section 7): unknown names and handler exceptions get error replies;
-objects that are not request maps are logged and skipped; bytes that are not MessagePack fail every
-request in flight and end the session with exit code 1; EOF cancels what is in flight (exit code 0).
+Failure rules (docs/protocol.md section 7, docs/drain.md): unknown names and handler exceptions get error
+replies; objects that are not request maps are logged and skipped; a request reusing the id of one in
+flight fails both (one error reply for the id); bytes that are not MessagePack, or a length header
+claiming more than a message may hold, fail every request in flight and end the session with exit code 1.
+EOF (the daemon dropped its write half) drains: the requests in flight run to their end, bounded by the
+drain timeout, and the session ends with exit code 0.
 """
 import asyncio
 import traceback
@@ -10,6 +13,7 @@ import traceback
 import msgpack
 
 from .errors import error_fields, error_message, error_status
+from .length_guard import LengthGuard, unpacker_limits
 from .log import error
 from .registry import COROUTINE, STREAM, Registry
 from .writer import ReplyWriter, data_prefix
@@ -17,6 +21,7 @@ from .writer import ReplyWriter, data_prefix
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024   # the unpacker refuses (as corrupt) a single object above this
 MAX_U64 = (1 << 64) - 1
 SHUTDOWN_TIMEOUT_S = 10.0               # how long cancelled handlers get to run their cleanup
+DRAIN_TIMEOUT_S = 30.0                  # after EOF, how long the requests in flight get to finish
 CORRUPT_STREAM_ERROR = "the daemon sent bytes that are not MessagePack; the handler is exiting"
 
 
@@ -33,7 +38,8 @@ class Session(asyncio.Protocol):
         self._writer = writer
         self._loop = loop
         self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, unicode_errors="replace",
-                                          max_buffer_size=MAX_MESSAGE_BYTES)
+                                          **unpacker_limits(MAX_MESSAGE_BYTES))
+        self._length_guard = LengthGuard(MAX_MESSAGE_BYTES)
         self._tasks: dict[int, asyncio.Task] = {}
         self._owns_writer = False  # stdio: the writer has its own transport (stdout)
         self._stopped = False
@@ -53,12 +59,13 @@ class Session(asyncio.Protocol):
             unpacker.feed(data)
             for obj in unpacker:
                 self._dispatch(obj)
-        except Exception as exc:  # the unpacker's errors: the stream cannot be resynchronised
+            self._length_guard.feed(data)
+        except Exception as exc:  # the unpacker's and the guard's errors: the stream cannot be resynchronised
             self._fail_stream(exc)
 
     def eof_received(self) -> bool:
         self._stop(0)
-        return True  # keep our write half open to flush what is queued
+        return True  # keep our write half open: the requests in flight drain (run() awaits drain())
 
     def connection_lost(self, exc) -> None:
         if self._owns_writer:
@@ -85,7 +92,7 @@ class Session(asyncio.Protocol):
             self._cancel(request_id)
             return
         if request_id in self._tasks:
-            error(f"skipping request {request_id}: a request with that id is still in flight")
+            self._fail_duplicate(request_id)
             return
         if type(name) is not str:
             self._writer.send_error(request_id,
@@ -192,6 +199,15 @@ class Session(asyncio.Protocol):
         if task is not None:
             task.cancel()
 
+    def _fail_duplicate(self, request_id: int) -> None:
+        """A second request with the id of one in flight. The daemon could not tell their replies apart, and an
+        error reply ends that id for it: the live request is cancelled and the id gets one error reply."""
+        error(f"request {request_id}: a request with that id is already in flight; failing both")
+        self._tasks[request_id].cancel()
+        self._writer.send_error(request_id, f"request id {request_id} was sent again while a request with that id "
+                                            "was in flight; both are failed (request ids must be unique)",
+                                {"status": 400, "code": "duplicate_request_id"})
+
     # End of the session
     def _fail_stream(self, exc: Exception) -> None:
         error(f"{CORRUPT_STREAM_ERROR} ({type(exc).__name__}: {exc}); failing {len(self._tasks)} request(s) in flight")
@@ -204,6 +220,27 @@ class Session(asyncio.Protocol):
         self._stopped = True
         if not self.finished.done():
             self.finished.set_result(exit_code)
+
+    async def drain(self, timeout: float) -> None:
+        """After EOF: the requests in flight run to their end while the daemon can still read their replies, for
+        at most `timeout` seconds; those still running then get an error reply and are cancelled."""
+        tasks = list(self._tasks.values())
+        if not tasks or self._writer.closed:
+            return
+        error(f"the daemon closed its side: finishing {len(tasks)} request(s) in flight (up to {timeout:g} s)")
+        all_done = self._loop.create_task(asyncio.wait(tasks, timeout=timeout))
+        lost = self._loop.create_task(self._writer.wait_lost())
+        await asyncio.wait((all_done, lost), return_when=asyncio.FIRST_COMPLETED)
+        all_done.cancel()
+        lost.cancel()
+        late = {request_id: task for request_id, task in self._tasks.items() if not task.done()}
+        if late and not self._writer.closed:
+            error(f"{len(late)} request(s) did not finish within the drain timeout ({timeout:g} s); aborting them")
+        for request_id, task in late.items():
+            task.cancel()
+            self._writer.send_error(request_id, f"the handler is shutting down and this request did not finish "
+                                                f"within its drain timeout ({timeout:g} s)",
+                                    {"status": 503, "code": "shutting_down"})
 
     async def shutdown(self) -> None:
         """Cancel every request in flight and give their cleanup a bounded time to run."""

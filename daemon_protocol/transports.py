@@ -4,11 +4,15 @@
 - `stdio`: requests on stdin, replies on stdout (fd 1 is then pointed at stderr so stray prints
   cannot corrupt the stream);
 - `unix-listen:PATH` / `unix-connect:PATH`: a Unix socket, for local testing. A listening handler
-  serves the first connection only and removes the socket file when done.
+  serves the first connection only and removes the socket file when done; only its own user may connect.
+
+On each, the daemon may drop its write half (EOF) and still read the replies: a socket stays open for
+writing (Session.eof_received keeps it), and stdout is a pipe of its own.
 """
 import asyncio
 import os
 import socket
+import stat
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -140,6 +144,27 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+def _owner_only_listener(path: str) -> socket.socket:
+    """A Unix socket listening at `path` that only this user can connect to, whatever the umask: Linux creates
+    the socket file with the mode given to the socket before bind, so it is never open to others; the chmod
+    after bind covers systems that ignore it. A stale socket file at `path` is replaced."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(sock.fileno(), 0o600)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(1)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def _listen_once(loop, session: Session, path: str) -> Closer:
     accepted = loop.create_future()
 
@@ -149,7 +174,7 @@ async def _listen_once(loop, session: Session, path: str) -> Closer:
         accepted.set_result(None)
         return session
 
-    server = await loop.create_unix_server(accept, path)
+    server = await loop.create_unix_server(accept, sock=_owner_only_listener(path))
     error(f"listening on unix socket {path}")
     await accepted
     server.close()

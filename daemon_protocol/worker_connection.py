@@ -18,7 +18,7 @@ from .log import error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
 CHAT_QUEUE_CHUNKS = 10
-EXIT_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 60.0  # after EOF: more than the handler's default drain timeout (HFENDPOINT_DRAIN_TIMEOUT, 30 s)
 
 
 class WorkerGone(Exception):
@@ -93,6 +93,7 @@ class WorkerConnection:
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task] = []
+        self._eof_sent = False  # once stop() dropped our write half, nothing more can be sent
         self.closed: asyncio.Future | None = None
 
     @property
@@ -119,8 +120,8 @@ class WorkerConnection:
                        asyncio.create_task(self._relay_stderr(self.process.stderr))]
 
     def open(self, name: str, data, queue_size: int = 1) -> RequestStream:
-        if self.gone:
-            raise WorkerGone("the worker is not running")
+        if self.gone or self._eof_sent:
+            raise WorkerGone("the worker is not running" if self.gone else "the worker is finishing its last requests")
         request_id = next(self._ids)
         try:
             packed = msgpack.packb({"id": request_id, "name": name, "data": data})
@@ -144,7 +145,7 @@ class WorkerConnection:
             stream.close()
 
     def send(self, message: dict) -> None:
-        if not self.gone:
+        if not (self.gone or self._eof_sent):
             self._writer.write(msgpack.packb(message))
 
     async def drain(self) -> None:
@@ -205,6 +206,7 @@ class WorkerConnection:
     async def stop(self) -> int:
         """Drop our write half (the worker sees EOF), wait for it to exit and return its exit code."""
         if self._writer is not None and not self._writer.is_closing():
+            self._eof_sent = True
             try:
                 self._writer.write_eof()
             except OSError:

@@ -103,6 +103,10 @@ class ReplyWriter:
         if not self._lost.done():
             self._lost.set_result(None)
 
+    async def wait_lost(self) -> None:
+        """Wait until the transport is gone (nothing sent from then on reaches the daemon)."""
+        await asyncio.shield(self._lost)
+
     async def close(self) -> None:
         """Write what is queued, close the transport and wait (bounded) until the daemon got it."""
         self.flush()

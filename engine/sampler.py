@@ -40,7 +40,7 @@ class SamplingPlan:
         self.uses_top_k_top_p = any(p.top_k > 0 or p.top_p < 1 for p in params)
         self.seeded_rows = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
         if not self.all_greedy:
-            values = np.array([(p.temperature or 1.0, p.top_p, p.min_p, p.top_k if p.top_k > 0 else 0, p.greedy)
+            values = np.array([(1.0 if p.greedy else p.temperature, p.top_p, p.min_p, max(p.top_k, 0), p.greedy)
                                for p in params], dtype=np.float32).T
             self.temperature, self.top_p, self.min_p, self.top_k, greedy = uploads.upload(values)
             self.greedy = greedy.bool()

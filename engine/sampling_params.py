@@ -2,12 +2,14 @@
 import math
 from dataclasses import dataclass
 
+from kernels import GREEDY_TEMPERATURE
+
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit, OpenAI's)
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0        # 0: greedy
+    temperature: float = 1.0        # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0              # (0, 1]
     top_k: int = -1                 # <= 0: off
     min_p: float = 0.0              # [0, 1]
@@ -51,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures too small to divide logits by choose the argmax, as temperature 0 does."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalised(self) -> bool:

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.transport_kind)
     from engine import EngineConfig  # imported after the arguments are checked: torch takes seconds
     from handler.model_source import ModelNotFound, resolve_model
+    from handler.settings import HandlerSettings
     try:
+        settings = HandlerSettings.from_env()
         model = resolve_model()
         config = EngineConfig.from_env(model.path)
     except (ModelNotFound, ValueError) as exc:
@@ -83,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     worker, tokenizer = loaded
     try:
         from handler.service import Service
-        service = Service(worker, tokenizer, name)
+        service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
-        daemon_protocol.serve(args.transport)
+        daemon_protocol.serve(args.transport, drain_timeout=settings.drain_timeout)
         return 0
     finally:
         worker.shutdown()

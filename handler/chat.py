@@ -6,6 +6,7 @@ OpenAI server: sampling fields the request leaves out come from the model's gene
 SamplingParams; max_tokens defaults to the rest of the context.
 """
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,14 @@ FIELD_TYPES = {
 }
 ROLES = ("system", "user", "assistant", "tool", "developer")
 TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for system messages, which templates know
+TRUST_TEMPLATES_VARIABLE = "HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE"
+# Normalizers by how many characters of text at most become one normalized character: composition (NFC, NFKC)
+# merges at most 4 (the longest canonical decomposition). Those that may delete any amount of text (Strip,
+# StripAccents, BertNormalizer, Nmt, Precompiled) are absent: under them a prompt's length bounds nothing.
+NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "ByteLevel": 1}
+# Pre-tokenizers that keep every character of the text (Split unless its behavior is "Removed")
+KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Split", "Digits", "Punctuation")
+
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,8 @@ class ChatModel:
     sampling_defaults: dict
     vocab_size: int | None = None  # the LM head's rows (default: the tokenizer's size)
     grammars: object = None  # handler.grammar.Grammars; None: no grammar-constrained output
+    max_chars_per_token: int | None = None  # from max_chars_per_token(tokenizer); None: no bound before tokenizing
+    trust_request_chat_template: bool = False  # HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,9 @@ def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     from handler.tools import prepare_tool_turns
     messages = prepare_tool_turns(parse_messages(data.get("messages")))
     output = plan_output(data, model)
-    prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools)
+    prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools,
+                           model.trust_request_chat_template)
+    check_prompt_chars(len(prompt), model)
     prompt_token_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
@@ -155,8 +168,9 @@ def message_text(content, where: str) -> str:
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict,
-                  tools: list[dict] | None = None) -> str:
+                  tools: list[dict] | None = None, trust_templates: bool = False) -> str:
     kwargs = data.get("chat_template_kwargs") or {}
+    kwargs = {**kwargs, **request_template(data, kwargs, trust_templates)}
     add_generation_prompt = data.get("add_generation_prompt") is not False
     if tokenizer.chat_template is None:
         raise RequestError("the model has no chat template, so it cannot serve chat completions")
@@ -166,6 +180,70 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
         raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
+
+
+def request_template(data: dict, kwargs: dict, trusted: bool) -> dict:
+    """A template sent with the request ({"chat_template": ...} as apply_chat_template takes it, or {}). A template
+    is a program: one loop in it holds an encoding thread for as long as it likes, so the request's own templates
+    are refused unless the operator trusts its clients (as vLLM does)."""
+    sent = {name: value for name, value in (("chat_template", data.get("chat_template")),
+                                            ("chat_template_kwargs.chat_template", kwargs.get("chat_template")))
+            if value is not None}
+    for name, value in sent.items():
+        if not trusted:
+            raise RequestError(f"{name}: this server does not run chat templates sent with requests; its operator "
+                               f"can allow them with {TRUST_TEMPLATES_VARIABLE}=true", param=name)
+        if not isinstance(value, str):
+            raise RequestError(f"{name} must be a string, got {type_name(value)}", param=name)
+    return {"chat_template": sent["chat_template"]} if "chat_template" in sent else {}
+
+
+def max_chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of text one token can stand for, so that a text of C characters has at least C / that
+    many tokens: the longest vocabulary entry, times what the normalizer may shrink the text by. None when no such
+    bound holds: when a character may have no token of its own (neither byte-level nor byte fallback, so an unknown
+    token stands for any run), or the normalizer, a pre-tokenizer or a special token's lstrip/rstrip may drop text."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    pre_tokenizers = component_chain(spec.get("pre_tokenizer"), "pretokenizers")
+    spells_every_character = spec["model"].get("byte_fallback") or any(p["type"] == "ByteLevel" for p in pre_tokenizers)
+    keeps_every_character = all(p["type"] in KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed"
+                                for p in pre_tokenizers)
+    strips = any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or [])
+    shrinks = [normalizer_shrink(normalizer) for normalizer in component_chain(spec.get("normalizer"), "normalizers")]
+    if not (spells_every_character and keeps_every_character) or strips or None in shrinks:
+        return None
+    return math.prod(shrinks) * max(map(len, tokenizer.get_vocab()))
+
+
+def component_chain(spec: dict | None, members: str) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as the list of its parts (a Sequence flattened)."""
+    if spec is None:
+        return []
+    if spec["type"] == "Sequence":
+        return [part for member in spec[members] for part in component_chain(member, members)]
+    return [spec]
+
+
+def normalizer_shrink(spec: dict) -> int | None:
+    """At most how many characters one normalizer turns into one (NORMALIZER_SHRINK); a Replace of a plain string
+    by a shorter one shrinks by their ratio, a Replace of a pattern by anything is unbounded."""
+    if spec["type"] == "Replace":
+        pattern, content = spec["pattern"].get("String"), spec.get("content", "")
+        return math.ceil(len(pattern) / len(content)) if pattern and content else None
+    return NORMALIZER_SHRINK.get(spec["type"])
+
+
+def check_prompt_chars(num_prompt_chars: int, model: ChatModel) -> None:
+    """Refuses, before tokenizing it, a prompt too long in characters to fit the context whatever its tokens."""
+    if model.max_chars_per_token is None:
+        return
+    at_least = -(-num_prompt_chars // model.max_chars_per_token)
+    if at_least >= model.max_model_len:
+        raise RequestError(
+            f"messages: the prompt is {num_prompt_chars} characters, at least {at_least} tokens, which leaves no "
+            f"room to generate within the model's maximum context length of {model.max_model_len} tokens; "
+            "shorten the messages", param="messages", code="context_length_exceeded"
+        )
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:

@@ -3,23 +3,31 @@
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
 the request's error reply (RequestError: 400 naming the field; EngineUnavailable: 503). Chat runs on the
 engine Worker through a per-request queue of outputs. Each request ends with an access line (handler/logs.py).
-Encoding (chat templates, tokenizing) runs on a thread of its own, with its own copy of the tokenizer, so a
-long prompt does not hold up the event loop that streams every other request's chunks.
+Encoding (chat templates, tokenizing) runs on a small pool of threads, each with its own copy of the tokenizer,
+so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
+the requests behind it. A request cancelled while its encoding waits for a thread is never encoded; one
+cancelled while encoding (a template render cannot be interrupted) is dropped once it ends, before the engine
+sees it.
 """
 
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from daemon_protocol import RequestError
 from engine import Worker
-from handler.chat import ChatModel, parse_chat_request, sampling_defaults, type_name
+from handler.chat import ChatModel, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
 from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
+from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
+
+ENCODER_THREADS = 4  # requests encoded at once
 
 
 class EngineUnavailable(RuntimeError):
@@ -31,27 +39,38 @@ class EngineUnavailable(RuntimeError):
 
 
 class Service:
-    def __init__(self, worker: Worker, tokenizer, model_name: str, engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
+    def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
+                 engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
+        settings = settings or HandlerSettings()
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
         tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
-        # A copy: tokenizers refuses to use one tokenizer from two threads while one reconfigures it
-        # (truncation), so the encoding thread shares nothing with the loop's decoding.
+        # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
+        # This one is only copied from, by each encoding thread as it starts.
         encoding_tokenizer = copy.deepcopy(tokenizer)
         grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
-                                    worker.vocab_size, grammars)
+                                    vocab_size=worker.vocab_size, grammars=grammars,
+                                    max_chars_per_token=max_chars_per_token(tokenizer),
+                                    trust_request_chat_template=settings.trust_request_chat_template)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+        self._encoder_state = threading.local()
+        self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
+                                          initializer=self._start_encoder_thread)
         self._request_ids = itertools.count(1)
         self._engine_log_interval = engine_log_interval
         self._engine_report: asyncio.Task | None = None
 
-    async def encode(self, function, *args):
-        """function(*args) on the encoding thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.encoder, function, *args)
+    def _start_encoder_thread(self) -> None:
+        self._encoder_state.chat_model = dataclasses.replace(self.chat_model,
+                                                             tokenizer=copy.deepcopy(self.chat_model.tokenizer))
+
+    async def encode(self, job):
+        """job(chat_model) on an encoding thread, with that thread's own ChatModel (its own tokenizer)."""
+        state = self._encoder_state
+        return await asyncio.get_running_loop().run_in_executor(self.encoder, lambda: job(state.chat_model))
 
     async def chat_completions(self, data):
         """Streams reply chunks (docs/chat-extensions.md); the last one has a finish_reason and usage."""
@@ -59,7 +78,7 @@ class Service:
         with logged_request(request_id, "chat_completions") as log, self.engine_errors():
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
-            request = await self.encode(parse_chat_request, data, self.chat_model)
+            request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model))
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
             async for chunk in self.replies.stream(self.worker, request, request_id, log):
@@ -78,7 +97,8 @@ class Service:
                 if not isinstance(text, str) or not text:
                     raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
             keep_last = self.truncation(data)
-            tokens = await self.encode(embedding_token_ids, self.chat_model.tokenizer, texts, keep_last)
+            tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
+                                                                              keep_last))
             self.check_embedding_lengths(tokens)
             log.prompt_tokens = sum(map(len, tokens))
             return {"tokens": tokens}

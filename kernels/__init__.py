@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.reference import dequantize_fp8
+from kernels.reference import GREEDY_TEMPERATURE, dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
     "linear",
@@ -31,7 +31,7 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "select_experts",
     "fused_moe",
 )
-__all__ = ["AttentionMetadata", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
+__all__ = ["AttentionMetadata", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 
@@ -222,8 +222,8 @@ def qkv_paged_attention(
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
     """One token per row of logits [N, V]: argmax(logits / temperature + Gumbel noise), a draw from
-    softmax(logits / temperature); argmax(logits) where temperature is 0. The noise of a row is a function
-    of its int64 seed alone (Philox on CUDA, a seeded torch generator on CPU)."""
+    softmax(logits / temperature); argmax(logits) where temperature is below GREEDY_TEMPERATURE. The noise of a
+    row is a function of its int64 seed alone (Philox on CUDA, a seeded torch generator on CPU)."""
     return _backend_of(logits).gumbel_argmax(logits, temperature, seeds)
 
 

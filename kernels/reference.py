@@ -9,6 +9,10 @@ from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
 
+# A temperature below this draws greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by it would overflow
+# them to infinities (1e-40 is a float32 subnormal), and a softmax of infinities is NaN, not the argmax.
+GREEDY_TEMPERATURE = 1e-5
+
 
 def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write k, v [T, n_kv, D] into the caches [num_blocks, block_size, n_kv, D] at their slots (-1: skip)."""
@@ -272,7 +276,7 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
     uniform = torch.stack([torch.rand(logits.shape[1], generator=torch.Generator().manual_seed(seed))
                            for seed in seeds.tolist()]).to(logits.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
-    greedy = temperature == 0
+    greedy = temperature < GREEDY_TEMPERATURE
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None] + gumbel
     return torch.where(greedy[:, None], logits.float(), scaled).argmax(-1)
 

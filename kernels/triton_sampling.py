@@ -2,7 +2,8 @@
 
 Each row's token is argmax(logits / temperature + G) with G standard Gumbel noise, which draws from
 softmax(logits / temperature) exactly (the Gumbel-max trick); tokens whose logit is -inf (those top-k, top-p
-or min-p dropped) are never drawn, and the rest keep their odds. A row of temperature 0 takes argmax(logits).
+or min-p dropped) are never drawn, and the rest keep their odds. A row whose temperature is below
+GREEDY_TEMPERATURE (0 included) takes argmax(logits).
 One program reads its row once and writes one id, where a torch path (softmax, noise, division, argmax)
 makes many passes over a [rows, vocab] float32 tensor.
 The noise is Philox keyed by one 64-bit seed per row and the token's column, so a row's draw depends only
@@ -12,15 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import GREEDY_TEMPERATURE
+
 BLOCK = 4096
 
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, out_ptr, vocab_size,
-                          BLOCK: tl.constexpr):
+                          GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
-    greedy = temperature == 0.0
+    greedy = temperature < GREEDY_BELOW
     inverse = 1.0 / tl.where(greedy, 1.0, temperature)
     seed = tl.load(seeds_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -42,13 +45,15 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, ou
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (unit stride along V), temperature [N] float32 (0: greedy), seeds [N] int64 -> ids [N] int64."""
+    """logits [N, V] (unit stride along V), temperature [N] float32 (below GREEDY_TEMPERATURE: greedy), seeds [N]
+    int64 -> ids [N] int64."""
     if logits.stride(1) != 1:
         raise ValueError("gumbel_argmax needs logits contiguous along the vocabulary")
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows:
         _gumbel_argmax_kernel[(num_rows,)](logits, logits.stride(0), temperature, seeds, out, vocab_size,
+                                           GREEDY_BELOW=GREEDY_TEMPERATURE,
                                            BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)), num_warps=8)
     return out
 

@@ -142,3 +142,25 @@ def test_the_sampler_keys_both_paths_by_seed_and_position():
         assert sampler(logits[[1, 0, 2]], batch)[1].item() == alone, mate
     draws = {Sampler(torch.device("cpu"))(logits[:1], [subject], ahead=n).item() for n in range(30)}
     assert len(draws) > 10
+
+
+TINY_TEMPERATURES = (1e-40, 1e-7, 9.99e-6)  # 1e-40: a float32 subnormal, whose inverse overflows to infinity
+MASKS = ({}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.5, "min_p": 0.01, "seed": 3})
+
+
+def test_tiny_temperatures_are_greedy_on_every_path():
+    """A temperature below GREEDY_TEMPERATURE picks the argmax, whether the batch is all greedy, drawn in one pass
+    (beside a hot row) or on the full path with top_k / top_p / min_p: never the NaNs of logits / 1e-40."""
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(4)) * 3
+    tiny = [dict(temperature=t, **mask) for t in TINY_TEMPERATURES for mask in MASKS]
+    assert all(SamplingParams(**params).greedy for params in tiny) and not SamplingParams(temperature=1e-5).greedy
+    batches = {
+        "all greedy": [make([0], **params) for params in tiny],
+        "one pass": [make([0], temperature=t) for t in TINY_TEMPERATURES] + [make([0], temperature=1.0)],
+        "full": [make([0], **params) for params in tiny] + [make([0], temperature=1.0, top_k=3)],
+    }
+    for name, seqs in batches.items():
+        rows = len(seqs) - (name != "all greedy")  # the hot row closing a mixed batch draws as it likes
+        for _ in range(3):
+            sampled = Sampler(torch.device("cpu"))(logits[:len(seqs)], seqs)
+            assert sampled[:rows].tolist() == logits[:rows].argmax(-1).tolist(), name

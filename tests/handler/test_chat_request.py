@@ -1,11 +1,15 @@
 """OpenAI chat request -> prompt tokens and sampling parameters, and every way a request can be wrong."""
 
 import copy
+import dataclasses
 import json
+import math
 
 import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
-from handler.chat import ChatModel, RequestError, parse_chat_request, sampling_defaults
+from handler.chat import ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults
 
 MAX_MODEL_LEN = 128
 
@@ -173,3 +177,90 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
 def test_bad_requests_name_the_problem(model, data, field):
     with pytest.raises(RequestError, match=field):
         parse_chat_request(data, model)
+
+
+LOOPING_TEMPLATE = "{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"chat_template_kwargs": {"chat_template": LOOPING_TEMPLATE}}, "chat_template_kwargs.chat_template"),
+    ({"chat_template": LOOPING_TEMPLATE}, "chat_template"),
+])
+def test_templates_from_requests_are_refused_unless_trusted(model, data, field):
+    """A template is a program: refused before anything renders (this one would loop for days)."""
+    with pytest.raises(RequestError, match=f"^{field}: this server does not run chat templates sent with requests; "
+                                           "its operator can allow them with HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE"):
+        parse_chat_request({**user("hi"), **data}, model)
+
+
+def test_trusted_templates_from_requests_are_used(model):
+    trusting = dataclasses.replace(model, trust_request_chat_template=True)
+    template = "[{{ messages[0]['content'] }}]"
+    for data in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+        request = parse_chat_request({**user("hi"), **data}, trusting)
+        assert trusting.tokenizer.decode(request.prompt_token_ids) == "[hi]"
+    with pytest.raises(RequestError, match="^chat_template must be a string, got int"):
+        parse_chat_request({**user("hi"), "chat_template": 3}, trusting)
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the texts it tokenizes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(model):
+    bound = max_chars_per_token(model.tokenizer)
+    counting = CountingTokenizer(model.tokenizer)
+    bounded = dataclasses.replace(model, tokenizer=counting, max_chars_per_token=bound)
+    with pytest.raises(RequestError, match=r"the prompt is 2100\d{4} characters, at least \d+ tokens.* 128 tokens"):
+        parse_chat_request(user("x" * 21_000_000), bounded)
+    assert counting.calls == 0
+    with pytest.raises(RequestError, match=r"the prompt is \d+ tokens.* 128 tokens"):  # within the bound: counted
+        parse_chat_request(user("x" * (bound * 100)), bounded)
+    assert counting.calls == 1
+    hi = user("hi")
+    assert parse_chat_request(hi, bounded).prompt_token_ids == expected_prompt(model.tokenizer, hi["messages"])
+
+
+def test_the_character_bound_holds_for_the_worst_texts(smollm2_tokenizer):
+    """SmolLM2 (byte-level BPE, no normalizer): its longest vocabulary entry, and no text has fewer tokens than
+    its characters divided by it, even one made of that longest token."""
+    bound = max_chars_per_token(smollm2_tokenizer)
+    vocab = smollm2_tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    assert bound == len(longest)
+    texts = [smollm2_tokenizer.convert_tokens_to_string([longest]) * 50, "#" * 5000, "日本語のテキスト" * 300,
+             "🙂" * 400, "<|im_start|>" * 200, " " * 4000, "the " * 1000]
+    for text in texts:
+        assert len(smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]) >= math.ceil(len(text) / bound)
+
+
+def tokenizer_from(normalizer=None, byte_fallback=True, strip_special=False):
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4, **{f"<0x{i:02X}>": 5 + i for i in range(256)}}
+    backend = Tokenizer(models.BPE(vocab, [("a", "b"), ("ab", "ab")], unk_token="<unk>", byte_fallback=byte_fallback,
+                                   fuse_unk=not byte_fallback))
+    backend.normalizer = normalizer
+    backend.add_special_tokens([AddedToken("<|special_end|>", rstrip=strip_special)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("normalizer, byte_fallback, strip_special, bound", [
+    (None, True, False, 15),                                         # "<|special_end|>"
+    (normalizers.NFC(), True, False, 60),                            # composition merges up to 4 characters
+    (normalizers.Sequence([normalizers.Replace("ab", "c"), normalizers.Lowercase()]), True, False, 30),
+    (normalizers.Strip(), True, False, None),                         # may drop any amount of text
+    (normalizers.Replace(Regex(r"\s+"), " "), True, False, None),
+    (None, False, False, None),                                      # unknowns fused: one token for any run
+    (None, True, True, None),                                        # rstrip swallows the spaces after it
+])
+def test_no_bound_where_a_token_may_stand_for_any_amount_of_text(normalizer, byte_fallback, strip_special, bound):
+    assert max_chars_per_token(tokenizer_from(normalizer, byte_fallback, strip_special)) == bound

@@ -1,5 +1,6 @@
-"""Chat templating and tokenizing run on the Service's encoding thread, with its own tokenizer copy: the
-event loop that streams other requests keeps running while a slow encode is in progress."""
+"""Chat templating and tokenizing run on the Service's pool of encoding threads, each with its own tokenizer
+copy: the event loop that streams other requests keeps running while a slow encode is in progress, a slow
+encode holds no other request's, and a request cancelled while encoding never reaches the engine."""
 import asyncio
 import threading
 import time
@@ -9,16 +10,49 @@ import pytest
 
 import handler.service
 from handler.chat import RequestError
-from handler.service import Service
+from handler.service import ENCODER_THREADS, Service
+from handler.settings import HandlerSettings
 
 SLOW_S = 0.3
 
 
+class FakeWorker:
+    """Records what reaches the engine; each request finishes at once with one token."""
+
+    kind, eos_token_ids, max_model_len, max_embedding_tokens = "decoder", (), 2048, 2048
+
+    def __init__(self, model_dir: str, vocab_size: int = 49152):
+        self.model_dir, self.vocab_size = model_dir, vocab_size
+        self.submitted: list[str] = []
+
+    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None):
+        self.submitted.append(request_id)
+        outputs = queue or asyncio.Queue()
+        outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
+                                           error=None, logprobs=None))
+        return outputs
+
+    def stats(self) -> dict:
+        return {"running": 0, "waiting": 0, "num_free_blocks": 1, "num_total_blocks": 1,
+                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
+
+    def abort(self, request_id):
+        pass
+
+
 @pytest.fixture
 def service(smollm2_path, smollm2_tokenizer):
-    worker = SimpleNamespace(kind="decoder", eos_token_ids=(), max_model_len=2048, max_embedding_tokens=2048,
-                             model_dir=smollm2_path, vocab_size=len(smollm2_tokenizer))
-    return Service(worker, smollm2_tokenizer, "smollm2")
+    return Service(FakeWorker(smollm2_path), smollm2_tokenizer, "smollm2")
+
+
+def chat(text: str, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": text}], **fields}
+
+
+async def completion(service: Service, data: dict) -> dict:
+    """The last chunk of a chat request."""
+    chunks = [chunk async for chunk in service.chat_completions(data)]
+    return chunks[-1]
 
 
 def slowed(function, threads: list):
@@ -46,7 +80,6 @@ def test_tokenize_runs_off_the_loop_and_gives_the_same_ids(service, smollm2_toke
     assert result == {"tokens": [smollm2_tokenizer("What is the capital of France?")["input_ids"]]}
     assert ticks >= SLOW_S / 0.01 / 2
     assert [thread.name.startswith("encoder") for thread in threads] == [True]
-    assert service.chat_model.tokenizer is not smollm2_tokenizer  # the encoding thread's own copy
 
 
 def test_chat_templating_runs_off_the_loop(service, monkeypatch):
@@ -59,3 +92,110 @@ def test_chat_templating_runs_off_the_loop(service, monkeypatch):
     with pytest.raises(RequestError, match="messages"):
         asyncio.run(ticks_during(first_chunk()))
     assert [thread.name.startswith("encoder") for thread in threads] == [True]
+
+
+def blocking_on(monkeypatch, release: threading.Event, started: list) -> None:
+    """parse_chat_request, made to wait for `release` on requests whose last message is "block"."""
+    parse = handler.service.parse_chat_request
+
+    def parse_or_block(data, chat_model):
+        started.append(data["messages"][-1]["content"])
+        if data["messages"][-1]["content"] == "block":
+            assert release.wait(60), "never released"
+        return parse(data, chat_model)
+    monkeypatch.setattr(handler.service, "parse_chat_request", parse_or_block)
+
+
+def test_a_stuck_encode_holds_no_other_request(service, monkeypatch):
+    """ENCODER_THREADS - 1 encodes stuck (a template looping for minutes): another request still completes."""
+    release, started = threading.Event(), []
+    blocking_on(monkeypatch, release, started)
+
+    async def scenario():
+        stuck = [asyncio.ensure_future(completion(service, chat("block"))) for _ in range(ENCODER_THREADS - 1)]
+        normal = await asyncio.wait_for(completion(service, chat("hello")), 30)
+        assert not any(task.done() for task in stuck)
+        release.set()
+        return normal, await asyncio.gather(*stuck)
+
+    normal, stuck = asyncio.run(scenario())
+    assert normal["finish_reason"] == "length" and all(s["finish_reason"] == "length" for s in stuck)
+    assert len(service.worker.submitted) == ENCODER_THREADS
+
+
+def test_a_looping_template_from_a_trusted_client_holds_no_other_request(smollm2_path, smollm2_tokenizer):
+    """The operator trusts request templates: a costly one renders on one thread while a normal request, sent
+    after it, is answered first."""
+    service = Service(FakeWorker(smollm2_path), smollm2_tokenizer, "smollm2",
+                      HandlerSettings(trust_request_chat_template=True))
+    looping = "{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+    finished = []
+
+    async def run(name, data):
+        await completion(service, data)
+        finished.append(name)
+
+    async def scenario():
+        await asyncio.gather(run("looping", chat("x", chat_template=looping)), run("normal", chat("hello")))
+
+    asyncio.run(scenario())
+    assert finished == ["normal", "looping"]
+
+
+def test_cancelled_while_waiting_for_a_thread_is_never_encoded(service, monkeypatch):
+    release, started = threading.Event(), []
+    blocking_on(monkeypatch, release, started)
+
+    async def scenario():
+        stuck = [asyncio.ensure_future(completion(service, chat("block"))) for _ in range(ENCODER_THREADS)]
+        queued = asyncio.ensure_future(completion(service, chat("queued")))
+        while len(started) < ENCODER_THREADS:
+            await asyncio.sleep(0.01)
+        queued.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(*stuck)
+        await completion(service, chat("after"))  # waits on the same threads: the queued one had its turn before
+
+    asyncio.run(scenario())
+    assert "queued" not in started and started.count("block") == ENCODER_THREADS
+    assert len(service.worker.submitted) == ENCODER_THREADS + 1
+
+
+def test_cancelled_while_encoding_never_reaches_the_engine(service, monkeypatch):
+    """A render cannot be interrupted: it runs to its end, and its result is dropped."""
+    release, started = threading.Event(), []
+    blocking_on(monkeypatch, release, started)
+    encoded = threading.Event()
+    parse = handler.service.parse_chat_request
+    monkeypatch.setattr(handler.service, "parse_chat_request",
+                        lambda data, chat_model: (parse(data, chat_model), encoded.set())[0])
+
+    async def scenario():
+        task = asyncio.ensure_future(completion(service, chat("block")))
+        while not started:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        release.set()
+        assert await asyncio.to_thread(encoded.wait, 30)
+        await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert service.worker.submitted == []
+
+
+def test_each_encoding_thread_has_its_own_tokenizer(service):
+    barrier = threading.Barrier(ENCODER_THREADS)
+
+    def tokenizer_of(chat_model):
+        barrier.wait(30)  # every thread busy at once: each job runs on its own thread
+        return chat_model.tokenizer
+
+    async def scenario():
+        return await asyncio.gather(*(service.encode(tokenizer_of) for _ in range(ENCODER_THREADS)))
+
+    tokenizers = asyncio.run(scenario())
+    assert len({id(t) for t in tokenizers} | {id(service.tokenizer), id(service.chat_model.tokenizer)}) == (
+        ENCODER_THREADS + 2)

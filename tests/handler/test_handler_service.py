@@ -117,6 +117,10 @@ def test_client_disconnect_frees_the_kv_blocks(client, smollm2_service):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages[0].role must be one of"),
     ({"messages": CAPITAL, "max_tokens": 600}, "max_tokens", "max_tokens"),
     ({"messages": CAPITAL, "n": 17}, "n", "n must be between 1 and 16"),
+    ({"messages": [{"role": "user", "content": "x" * 21_000_000}]}, "messages", "characters, at least"),
+    ({"messages": CAPITAL, "extra_body": {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}},
+     "chat_template_kwargs.chat_template",
+     "chat_template_kwargs.chat_template: this server does not run chat templates sent with requests"),
 ])
 def test_bad_requests_get_a_400_naming_the_field_and_the_next_succeeds(client, stream, request_kwargs, param, problem):
     with pytest.raises(openai.BadRequestError) as error:
@@ -185,3 +189,13 @@ def test_bad_embedding_inputs_are_rejected(client, smollm2_service):
         client.embeddings.create(model="smollm2", input=[[1], [1] * 513])
     assert smollm2_service.call("tokenize", {"input": ["hi"]})["tokens"] == [smollm2_service.call(
         "tokenize", {"input": ["hi", "there"]})["tokens"][0]]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7])
+def test_tiny_temperatures_answer_the_greedy_text(client, temperature):
+    """1e-40 is a float32 subnormal: dividing logits by it gave NaNs (empty text, or with top_k repeated junk)."""
+    greedy = complete(client, CAPITAL, max_tokens=12).choices[0].message.content
+    for extra in ({}, {"top_k": 5}, {"top_p": 0.9, "min_p": 0.1}):
+        reply = client.chat.completions.create(model="smollm2", messages=CAPITAL, max_tokens=12,
+                                               temperature=temperature, extra_body=extra)
+        assert reply.choices[0].message.content == greedy, extra

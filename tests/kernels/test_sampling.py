@@ -93,3 +93,14 @@ def test_token_bitmask_bans_exactly_the_cleared_bits_of_the_chosen_rows(dtype, v
         masked = logits.clone()
         apply(masked, bitmask, rows)
         assert torch.equal(masked, expected)
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_temperatures_below_the_greedy_threshold_take_the_argmax(name):
+    """1 / 1e-40 overflows float32: such rows (and any below kernels.GREEDY_TEMPERATURE) are greedy rows."""
+    sample = IMPLEMENTATIONS[name]
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 4
+    temperature = torch.tensor([1e-40, 1e-7, 9.99e-6, 0.0, 1e-30], device=DEVICE)
+    for seed in range(3):
+        seeds = torch.arange(seed, seed + 5, device=DEVICE)
+        assert sample(logits, temperature, seeds).tolist() == logits.argmax(-1).tolist()

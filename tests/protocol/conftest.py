@@ -14,7 +14,7 @@ def spawn_handler(tmp_path):
     """Start echo_worker.py the way the daemon does (socketpair, HFENDPOINT_FD); kill it afterwards."""
     started = []
 
-    def spawn() -> HandlerClient:
+    def spawn(**env) -> HandlerClient:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for sock in (parent, child):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
@@ -22,7 +22,8 @@ def spawn_handler(tmp_path):
         child.set_inheritable(True)
         stderr_path = tmp_path / f"handler{len(started)}.stderr"
         with open(stderr_path, "wb") as stderr:
-            proc = subprocess.Popen([sys.executable, ECHO_WORKER], env=child_env(HFENDPOINT_FD=str(child.fileno())),
+            proc = subprocess.Popen([sys.executable, ECHO_WORKER],
+                                    env=child_env(HFENDPOINT_FD=str(child.fileno()), **env),
                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stderr=stderr)
         child.close()
         client = HandlerClient(parent, proc, stderr_path)

@@ -1,4 +1,5 @@
 """The mock daemon driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
+import http.client
 import json
 import signal
 import socket
@@ -6,6 +7,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -300,3 +302,99 @@ def test_worker_that_cannot_start(tmp_path):
                           cwd=ROOT, env=child_env())
     assert proc.returncode == 1
     assert "cannot start the worker" in proc.stderr
+
+
+def post_bytes(daemon, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{daemon.base_url}/v1/chat/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    b'{"messages": "\xff\xfe"}',
+    '{"messages": []}'.encode("utf-16")[:-1],
+], ids=["nested arrays", "nested objects", "not utf-8", "cut utf-16"])
+def test_bodies_json_cannot_parse_get_an_openai_shaped_400(mock_daemon, body):
+    status, reply = post_bytes(mock_daemon, body)
+    assert status == 400
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"].startswith("request body")
+
+
+@pytest.mark.parametrize("authorization, allowed", [
+    (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"BEARER  {KEY}", True),
+    ("bearer wrong", False), (f"Basic {KEY}", False), (f"Bearer{KEY}", False), (KEY, False),
+])
+def test_the_bearer_scheme_is_case_insensitive_the_key_is_not(mock_daemon, authorization, allowed):
+    status, _ = curl("-H", f"Authorization: {authorization}", f"{mock_daemon.base_url}/v1/models")
+    assert status == (200 if allowed else 401)
+    assert curl("-H", f"Authorization: bearer {KEY.upper()}", f"{mock_daemon.base_url}/v1/models")[0] == 401
+
+
+def test_idle_and_half_open_connections_are_closed(spawn_mock_daemon):
+    """--idle-timeout: a connection that sends nothing, stops inside a request's head, or sits idle between
+    requests is closed; a request body that stops arriving is answered 408."""
+    daemon = spawn_mock_daemon(extra=["--idle-timeout", "1"])
+    heads = {
+        "silent": b"",
+        "half a head": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+        "idle after a request": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        "half a body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"messages\": ",
+    }
+    for name, head in heads.items():
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=15) as sock:
+            sock.sendall(head)
+            received = b""
+            while chunk := sock.recv(65536):  # the server closes the connection: recv returns b""
+                received += chunk
+        if name == "idle after a request":
+            assert received.startswith(b"HTTP/1.1 200"), name
+        elif name == "half a body":
+            assert received.startswith(b"HTTP/1.1 408") and b'"code": "timeout"' in received, received
+        else:
+            assert received == b"", name
+
+
+def read_sse_event(response) -> bytes:
+    lines = []
+    while (line := response.readline()) not in (b"\n", b""):
+        lines.append(line)
+    return b"".join(lines)
+
+
+def test_sigterm_lets_the_streams_in_flight_finish(spawn_mock_daemon):
+    """SIGTERM: no new connections; the four streams in flight run to their finish_reason and [DONE]; the worker
+    (sent EOF) drains and exits 0, then the daemon exits 0."""
+    daemon = spawn_mock_daemon()
+    streams = []
+    for i in range(4):
+        connection = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=20)
+        connection.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "slow", "stream": True, "max_tokens": 40, "messages": [{"role": "user", "content": f"s{i}"}]}),
+            headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        streams.append((connection, response, [read_sse_event(response)]))
+    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.wait_for_log("shutting down \\(signal\\)")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", daemon.port), timeout=5)
+    for connection, response, events in streams:
+        while event := read_sse_event(response):
+            events.append(event)
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+        assert events[-1] == b"data: [DONE]\n"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "".join(f"{i} " for i in range(40))
+        connection.close()
+    assert daemon.proc.wait(20) == 0
+    log = daemon.log()
+    assert "finishing 4 request(s) in flight" in log and "the worker exited with code" not in log
+    assert "Traceback" not in log

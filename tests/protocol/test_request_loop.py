@@ -1,6 +1,8 @@
 """The request loop against a real handler process (tests/workers/echo_worker.py) over a socketpair."""
 import os
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import time
@@ -14,6 +16,9 @@ from protocol_support import ECHO_WORKER, HandlerClient, child_env, stop_process
 pytestmark = pytest.mark.slow  # handler processes over real sockets
 
 CORRUPT = "the daemon sent bytes that are not MessagePack; the handler is exiting"
+DUPLICATE = ("request id 1 was sent again while a request with that id was in flight; both are failed "
+             "(request ids must be unique)")
+CLAIM = 300 * 1024 * 1024  # more than the 256 MiB a message may hold
 
 
 def chunks_by_id(replies) -> dict:
@@ -99,12 +104,20 @@ def test_handler_kinds_and_unencodable_chunks(handler):
     assert by_id[3][1].startswith("TypeError: cannot encode object in a reply")
 
 
-def test_duplicate_id_in_flight_is_skipped(handler):
-    handler.send({"id": 1, "name": "slow", "data": "dup"}, {"id": 1, "name": "echo", "data": "dup"},
-                 {"id": 1, "name": "cancel"}, {"id": 2, "name": "echo", "data": "x"})
+def test_duplicate_id_in_flight_fails_both_with_one_error_reply(handler):
+    """The daemon cannot tell two live requests of one id apart, and an error reply ends that id for it: the id
+    gets one error reply, after which nothing more comes for it (the live request is cancelled)."""
+    handler.send({"id": 1, "name": "slow", "data": "dup"})
+    handler.read_count(1)
+    handler.send({"id": 1, "name": "echo", "data": "dup"}, {"id": 2, "name": "echo", "data": "x"})
     replies = handler.read(lambda r: {"id": 2, "data": "x"} in r)
-    assert all(r["id"] == 2 or isinstance(r.get("data"), int) for r in replies)
-    assert "a request with that id is still in flight" in handler.stderr()
+    replies += wait_for_cleanup(handler, "dup cancelled", first_id=100)
+    ones = [r for r in replies if r["id"] == 1]
+    assert ones[-1] == {"id": 1, "error": DUPLICATE, "status": 400, "code": "duplicate_request_id"}
+    assert all(isinstance(r.get("data"), int) for r in ones[:-1])
+    handler.send({"id": 1, "name": "echo", "data": "reused once finished"})
+    assert handler.read_count(1) == [{"id": 1, "data": "reused once finished"}]
+    assert "request 1: a request with that id is already in flight" in handler.stderr()
 
 
 def test_cancel_stops_the_stream_and_runs_its_cleanup(handler):
@@ -131,15 +144,74 @@ def test_garbage_fails_requests_in_flight_and_exits_non_zero(handler):
     assert "Traceback" not in log
 
 
-def test_eof_cancels_in_flight_and_exits_zero_without_traceback(handler):
-    handler.send({"id": 1, "name": "slow", "data": "eof-stream"})
+@pytest.mark.parametrize("header", [
+    b"\xdb" + struct.pack(">I", CLAIM),                      # str 32
+    b"\xc6" + struct.pack(">I", CLAIM),                      # bin 32
+    b"\xc9" + struct.pack(">I", CLAIM) + b"\x01",           # ext 32
+    b"\xdd" + struct.pack(">I", CLAIM),                      # array 32 (msgpack counted these already)
+    b"\x83" + b"".join(map(msgpack.packb, ["id", 9, "name", "echo", "data"])) + b"\x91\xdb" + struct.pack(
+        ">I", CLAIM),                                         # in a list inside a request map
+], ids=["str32", "bin32", "ext32", "array32", "nested"])
+def test_a_length_over_the_limit_fails_requests_in_flight_and_exits_non_zero(handler, header):
+    """A header claiming more than a message may hold is a corrupt stream as soon as its bytes are in, even when
+    they come one at a time: nothing after it would ever be read."""
+    handler.send({"id": 1, "name": "slow", "data": "claimed"})
     handler.read_count(1)
+    for i in range(len(header)):
+        handler.send_raw(header[i:i + 1])
+    errors = [r for r in handler.read_rest() if "error" in r]
+    assert errors == [{"id": 1, "error": CORRUPT}]
+    assert handler.wait() == 1
+    assert "more than the 268435456 bytes a message may hold" in handler.stderr() or header[0] == 0xdd
+    assert "cleanup: claimed cancelled" in handler.stderr()
+
+
+def test_a_large_message_under_the_limit_still_arrives_in_pieces(handler):
+    text = "x" * (3 << 20)
+    data = [{"text": text, "blob": b"\x01" * 70000}, list(range(5000))]
+    packed = msgpack.packb({"id": 1, "name": "echo", "data": data})
+    for start in range(0, len(packed), 65521):
+        handler.send_raw(packed[start:start + 65521])
+    assert handler.read_count(1) == [{"id": 1, "data": data}]
+
+
+def test_eof_drains_the_requests_in_flight_then_exits_zero(handler):
+    """The daemon drops its write half (what it does on SIGTERM): the requests in flight run to their end and
+    their replies still reach it; then the handler exits 0."""
+    handler.send(*({"id": i, "name": "paced", "data": {"tag": f"drain-{i}", "n": 25}} for i in (1, 2, 3)))
+    first = handler.read_count(1)
     handler.close_write()
-    handler.read_rest()
+    by_id = chunks_by_id(first + handler.read_rest())
+    assert by_id == {i: list(range(25)) for i in (1, 2, 3)}
     assert handler.wait() == 0
     log = handler.stderr()
-    assert "cleanup: eof-stream cancelled" in log
+    assert "finishing 3 request(s) in flight" in log
+    assert all(f"cleanup: drain-{i} done" in log for i in (1, 2, 3))
     assert "Traceback" not in log
+
+
+def test_drain_timeout_aborts_what_is_left_with_an_error_reply(spawn_handler):
+    handler = spawn_handler(HFENDPOINT_DRAIN_TIMEOUT="0.5")
+    handler.send({"id": 1, "name": "slow", "data": "too-slow"},
+                 {"id": 2, "name": "paced", "data": {"tag": "quick", "n": 3}})
+    first = handler.read_count(1)
+    handler.close_write()
+    by_id = chunks_by_id(first + handler.read_rest())
+    assert by_id[2] == [0, 1, 2]
+    assert by_id[1][-1] == ("the handler is shutting down and this request did not finish within its drain "
+                            "timeout (0.5 s)")
+    assert all(isinstance(chunk, int) for chunk in by_id[1][:-1]) and len(by_id[1]) < 100
+    assert handler.wait() == 0
+    assert "cleanup: too-slow cancelled" in handler.stderr() and "cleanup: quick done" in handler.stderr()
+
+
+def test_a_daemon_gone_for_good_cancels_at_once(handler):
+    """No one is left to read replies when the whole socket is gone: nothing is drained."""
+    handler.send({"id": 1, "name": "slow", "data": "orphan"})
+    handler.read_count(1)
+    handler.sock.close()
+    assert handler.wait() == 0  # well before the slow stream's 10 s
+    assert "cleanup: orphan cancelled" in handler.stderr()
 
 
 def test_stdio_transport():
@@ -160,6 +232,21 @@ def test_stdio_transport():
         _, err = proc.communicate(timeout=20)  # closes stdin: EOF
         assert proc.returncode == 0, err
         assert b"Traceback" not in err
+    finally:
+        stop_process(proc, subprocess.signal.SIGKILL)
+
+
+def test_stdio_eof_drains_while_stdout_stays_open():
+    """stdin's EOF is the daemon dropping its write half: the replies keep coming on stdout."""
+    proc = subprocess.Popen([sys.executable, ECHO_WORKER], env=child_env(HFENDPOINT_STDIO="1"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(msgpack.packb({"id": 1, "name": "paced", "data": {"tag": "piped", "n": 20}}),
+                                    timeout=30)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(out)
+        assert chunks_by_id(unpacker) == {1: list(range(20))}
+        assert proc.returncode == 0 and b"cleanup: piped done" in err
     finally:
         stop_process(proc, subprocess.signal.SIGKILL)
 
@@ -188,6 +275,24 @@ def test_unix_listen_transport_by_argument(tmp_path):
             assert serve_one_request(sock) == [{"id": 7, "data": "over unix"}]
             assert proc.wait(10) == 0
         assert not os.path.exists(path), "the socket file was left behind"
+    finally:
+        stop_process(proc, subprocess.signal.SIGKILL)
+
+
+def test_unix_listen_socket_is_owner_only_whatever_the_umask(tmp_path):
+    path = str(tmp_path / "private.sock")
+    proc = subprocess.Popen([sys.executable, ECHO_WORKER, f"unix-listen:{path}"], env=child_env(),
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=lambda: os.umask(0))
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline and proc.poll() is None, "the handler never listened"
+            time.sleep(0.02)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            assert serve_one_request(sock) == [{"id": 7, "data": "over unix"}]
+        assert proc.wait(10) == 0
     finally:
         stop_process(proc, subprocess.signal.SIGKILL)
 

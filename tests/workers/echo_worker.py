@@ -3,8 +3,8 @@
 Chat (`chat_completions`) picks its behaviour from the request's `model`:
   echo (default)  streams the last message's content back word by word; the last chunk carries
                   finish_reason "stop" and usage (prompt_tokens = characters in, completion = words out)
-  slow            a chunk every 20 ms, up to 500; its cleanup is recorded as "<last message's content> cancelled"
-                  (or "... done" when it ran out)
+  slow            a chunk every 20 ms, up to 500 (or max_tokens); its cleanup is recorded as
+                  "<last message's content> cancelled" (or "... done" when it ran out)
   cleanups        answers with the recorded cleanups, space separated
   fail            raises ValueError("echo worker was asked to fail") (an error reply with status 400)
   error           raises RuntimeError("echo worker broke") (status 500)
@@ -15,9 +15,10 @@ Chat (`chat_completions`) picks its behaviour from the request's `model`:
 `tokenize` maps each character to its code point; `embeddings` returns a 4-float vector per token list.
 `models` answers {"id": "echo-model"}; `stats` answers fixed engine numbers (ECHO_STATS).
 Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, refuse, teapot, slow, cleanups, big, silent_stream,
-unencodable.
+unencodable, paced.
 Every recorded cleanup is also written to stderr as "cleanup: <tag>". ECHO_WORKER_START_DELAY_S=S waits S seconds
-before serving, as a model load would.
+before serving, as a model load would. HFENDPOINT_DRAIN_TIMEOUT sets
+the drain timeout after EOF, as it does for the real handler.
 """
 import asyncio
 import os
@@ -99,7 +100,7 @@ async def chat_completions(data):
             yield chunk
         return
     if model == "slow":
-        async for i in slow_stream(last):
+        async for i in slow_stream(last, data.get("max_tokens") or 500):
             yield {"content": f"{i} ", "finish_reason": None}
         yield {"content": "", "finish_reason": "length"}
         return
@@ -184,6 +185,13 @@ async def slow(data):
         yield i
 
 
+@daemon_protocol.handler("paced")
+async def paced(data):
+    """{"tag", "n"}: n chunks, one every 20 ms."""
+    async for i in slow_stream(data["tag"], data["n"]):
+        yield i
+
+
 @daemon_protocol.handler("cleanups")
 def list_cleanups(data):
     return cleanups
@@ -208,4 +216,5 @@ async def unencodable(data):
 
 if __name__ == "__main__":
     time.sleep(float(os.environ.get("ECHO_WORKER_START_DELAY_S", "0")))
-    daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None)
+    daemon_protocol.serve(sys.argv[1] if len(sys.argv) > 1 else None,
+                          drain_timeout=float(os.environ.get("HFENDPOINT_DRAIN_TIMEOUT", "30")))

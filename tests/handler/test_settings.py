@@ -1,0 +1,37 @@
+"""The handler's own settings: read once at start, a bad value a one-line error before any model loads."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from handler.settings import HandlerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_values():
+    assert HandlerSettings.from_env({}) == HandlerSettings(trust_request_chat_template=False, drain_timeout=30.0)
+    env = {"HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE": " Yes", "HFENDPOINT_DRAIN_TIMEOUT": "2.5"}
+    assert HandlerSettings.from_env(env) == HandlerSettings(trust_request_chat_template=True, drain_timeout=2.5)
+    assert HandlerSettings.from_env({"HFENDPOINT_DRAIN_TIMEOUT": "0"}).drain_timeout == 0
+
+
+@pytest.mark.parametrize("name, value", [
+    ("HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE", "maybe"), ("HFENDPOINT_DRAIN_TIMEOUT", "soon"),
+    ("HFENDPOINT_DRAIN_TIMEOUT", "-1"), ("HFENDPOINT_DRAIN_TIMEOUT", "inf"), ("HFENDPOINT_DRAIN_TIMEOUT", "nan"),
+])
+def test_a_bad_value_names_the_variable(name, value):
+    with pytest.raises(ValueError, match=f"^{name}='{value}' is invalid: expected"):
+        HandlerSettings.from_env({name: value})
+
+
+def test_the_handler_refuses_a_bad_value_before_loading_a_model():
+    proc = subprocess.run([sys.executable, "-m", "handler", "stdio"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, stdin=subprocess.DEVNULL,
+                          env={"PATH": "/usr/bin:/bin", "HFENDPOINT_DRAIN_TIMEOUT": "soon", "MODEL_ID": "/nonexistent"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    expected = r"[\d-]+ [\d:,]+ ERROR handler: HFENDPOINT_DRAIN_TIMEOUT='soon' is invalid: expected a number of seconds"
+    assert len(lines) == 1 and re.fullmatch(expected + " >= 0", lines[0]), proc.stderr
