@@ -6,7 +6,7 @@ import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a jit function reads only constexpr globals
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from kernels.triton_linear import store_split_tile
 
 FP8_MAX = 448.0
 GROUP_K = 128  # columns of x per activation scale, and the K tile
+_FP8_MAX, _GROUP_K = tl.constexpr(FP8_MAX), tl.constexpr(GROUP_K)  # the same, as jit functions may read them
 MAX_DECODE_ROWS = 128
 MAX_SPLIT_K = 4
 
@@ -39,18 +40,18 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_
     cols = (tile % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-    ks = tl.arange(0, GROUP_K)
-    k_begin = split * k_tiles_per_split * GROUP_K
-    k_end = tl.minimum(K, k_begin + k_tiles_per_split * GROUP_K)
+    ks = tl.arange(0, _GROUP_K)
+    k_begin = split * k_tiles_per_split * _GROUP_K
+    k_end = tl.minimum(K, k_begin + k_tiles_per_split * _GROUP_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]
     scale_ptrs = s_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_for_previous(USE_PDL)
-    for k0 in range(k_begin, k_end, GROUP_K):
+    for k0 in range(k_begin, k_end, _GROUP_K):
         k_mask = (k0 + ks) < K
         x = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / _FP8_MAX
         x_fp8 = (x / x_scale[:, None]).to(tl.float8e4nv)
         w = tl.load(w_ptrs + k0, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         w_scale = tl.load(scale_ptrs + k0 // scale_cols, mask=col_mask, other=0.0)
@@ -70,7 +71,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om, BL
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / _FP8_MAX
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_om + k0 + offs, (x / scale).to(tl.float8e4nv), mask=k0 + offs < K)
