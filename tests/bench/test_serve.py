@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer, Qwen3Config
 
 from random_decoders import save_random_decoder
@@ -32,6 +33,7 @@ def test_the_served_copy_turns_random_ids_into_words_and_back(tmp_path):
     assert (served / "model.safetensors").resolve() == (tmp_path / "tiny" / "model.safetensors").resolve()
 
 
+@pytest.mark.slow  # the mock daemon and a handler process
 def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
     model = tiny_model(tmp_path / "tiny")
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",

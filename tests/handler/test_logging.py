@@ -48,6 +48,7 @@ def test_argument_errors_come_before_the_model(args, env, problem):
     assert problem in result.stderr and "/no/such/model" not in result.stderr
 
 
+@pytest.mark.slow  # a handler process
 def test_stdio_mode_keeps_stdout_for_the_protocol_and_logs_on_stderr(tmp_path):
     path = minilm_dir()
     if path is None:

@@ -27,6 +27,7 @@ def test_a_bad_value_names_the_variable(name, value):
         HandlerSettings.from_env({name: value})
 
 
+@pytest.mark.slow  # a handler process
 def test_the_handler_refuses_a_bad_value_before_loading_a_model():
     proc = subprocess.run([sys.executable, "-m", "handler", "stdio"], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, stdin=subprocess.DEVNULL,

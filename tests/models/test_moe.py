@@ -208,6 +208,7 @@ def _tensor_parallel_rank(rank, size, store_file, name, path, x, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # tensor-parallel ranks, or interpreted Triton at model scale
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_two_tensor_parallel_ranks_give_one_ranks_output(checkpoints, name, tmp_path):
     """Each rank loads its slice of every expert's intermediate features; the all-reduced partial sums (the
@@ -280,6 +281,7 @@ def test_greedy_decoding_matches_transformers(decoders, name, engine_settings):
         assert llm.core.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow  # tensor-parallel ranks, or interpreted Triton at model scale
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_decoder_through_triton_kernels_matches_transformers(decoders, name, monkeypatch):
     """Logits of a cacheless prefill and of paged steps (prompt chunks, then decodes of two sequences) through
@@ -310,6 +312,7 @@ def test_decoder_through_triton_kernels_matches_transformers(decoders, name, mon
             torch.testing.assert_close(model.compute_logits(model(ids, positions, meta)), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # tensor-parallel ranks, or interpreted Triton at model scale
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_two_tensor_parallel_ranks_decode_as_transformers(decoders, name):
     """Each rank holds half of the heads (and of gpt-oss's sinks) and half of every expert's features."""
