@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.encoder_runner import EncoderRunner
+from engine.embedding import Embedder
 from models import load_model
 
 
@@ -47,8 +47,8 @@ def timed(fn, texts: list[str]):
 
 def ours(model_dir: str, device: str, dtype: torch.dtype, tokenizer, batch_tokens: int):
     loaded = load_model(model_dir, dtype, torch.device(device))
-    runner = EncoderRunner(EngineConfig(model=model_dir, device=device,
-                                        max_embedding_batch_tokens=batch_tokens), loaded)
+    runner = Embedder.for_encoder(EngineConfig(model=model_dir, device=device,
+                                               max_embedding_batch_tokens=batch_tokens), loaded)
 
     def embed(texts: list[str]) -> torch.Tensor:
         ids = tokenizer(texts, truncation=True, max_length=runner.max_model_len)["input_ids"]

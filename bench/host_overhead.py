@@ -61,9 +61,9 @@ class NoopGraph:
 
 def fake_graphs(runner) -> None:
     """Turns on the CUDA-graph path on the CPU: same input preparation, replay does nothing."""
-    shapes = runner._graph_shapes()
-    runner.graph_hidden = torch.zeros(max(shape.num_tokens for shape in shapes), HIDDEN)
-    runner.graphs = {shape: NoopGraph() for shape in shapes}
+    shapes = runner.graphs.shapes()
+    runner.graphs.hidden = torch.zeros(max(shape.num_tokens for shape in shapes), HIDDEN)
+    runner.graphs.captured = {shape: NoopGraph() for shape in shapes}
 
 
 def make_core(batch: int, context: int, steps: int, eager: bool, overlap: bool) -> EngineCore:
@@ -86,7 +86,7 @@ def timed_steps(batch: int, context: int, steps: int, eager: bool, overlap: bool
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 64)
     for i in range(batch):
         prompt = torch.randint(0, VOCAB, (context - 1,), generator=g).tolist()
-        core.scheduler.add(core.make_sequence(i, prompt, params))
+        core.add(core.make_sequence(i, prompt, params))
     while core.scheduler.waiting or any(seq.num_computed_tokens < len(seq) - 1 for seq in core.scheduler.running):
         core.step()
     for _ in range(8):

@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repo root:  PYTHONPATH=. python3 bench/kernel_speed.py
 Every case runs with freshly allocated outputs poisoned with NaN, so an element a kernel forgets to write
 fails the check. Timings are do_bench medians; bandwidth is the bytes a kernel must move divided by its
-time, against the H100's measured 3.0 TB/s copy bandwidth. Failures are reported per case, not fatal.
+time, against PEAK_BYTES_PER_S (an H100's copy bandwidth). Failures are reported per case, not fatal.
 """
 import contextlib
 import sys

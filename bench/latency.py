@@ -21,7 +21,7 @@ def run_to_first_token(core, prompts, max_tokens) -> list:
     seqs = [core.make_sequence(object(), p, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens))
             for p in prompts]
     for seq in seqs:
-        core.scheduler.add(seq)
+        core.add(seq)
     while any(seq.num_output_tokens == 0 for seq in seqs):
         core.step()
     return seqs
@@ -46,7 +46,7 @@ def time_per_output_token(core, batch: int, prompt_len: int, steps: int) -> floa
         core.step()  # returns after a step's sampled ids reached the host (overlapped: the step before)
         times.append(time.perf_counter() - start)
     for seq in seqs:
-        core.scheduler.abort(seq)
+        core.abort(seq)
     return statistics.median(times)
 
 

@@ -34,8 +34,8 @@ def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     try:
         seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
             temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))
-        core.scheduler.add(seq)
-        while core.scheduler.has_work():
+        core.add(seq)
+        while core.has_work():
             core.step()
     finally:
         core.runner.sampler = sampler

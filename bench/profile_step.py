@@ -82,19 +82,19 @@ def main():
     for batch in map(int, args.batches.split(",")):
         lengths = [randint(100, 2100) if args.varied else 1024 for _ in range(batch)]
         seqs = run_to_first_token(core, [random_prompt(n) for n in lengths], max_tokens=400)
-        shape = runner._graph_for([1] * batch)
+        shape = runner.graphs.shape_for([1] * batch)
         walls = {}
         for overlap in (False, True):
             core.overlap = overlap
             walls[overlap] = wall_ms(core.step)
         print(f"\n== decode batch {batch} (graph {shape.num_rows}): step wall {walls[False]:.3f} ms synchronous, "
-              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs[shape].replay):.3f} ms")
+              f"{walls[True]:.3f} ms overlapped; graph replay GPU {gpu_ms(runner.graphs.captured[shape].replay):.3f} ms")
         print(top_kernels(lambda: [core.step() for _ in range(5)], args.rows, steps=5))
         for seq in seqs:
-            core.scheduler.abort(seq)
+            core.abort(seq)
     prompt = random_prompt(1024)
     prefill = lambda: run_to_first_token(core, [prompt[:1] + random_prompt(1023)], max_tokens=1)
-    shape = runner._graph_for([1024])
+    shape = runner.graphs.shape_for([1024])
     print(f"\n== prefill 1x1024 ({f'graph of {shape.num_tokens} tokens' if shape else 'eager'}): "
           f"wall {wall_ms(prefill, 5):.3f} ms (GPU time: the profile's CUDA total)")
     print(top_kernels(prefill, args.rows))

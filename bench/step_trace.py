@@ -1,6 +1,6 @@
 """Where an engine's time goes, step by step: wraps an LLM's EngineCore.step and ModelRunner.launch to time
-each step and record what it launched, and counts Triton compilations (a JIT compile mid-run costs tenths of
-a second). report() prints, per kind of step (prefill or mixed; decode by batch size), the steps, their
+each step and record what it launched, and counts Triton compilations (a JIT compile mid-run stalls the
+engine). report() prints, per kind of step (prefill or mixed; decode by batch size), the steps, their
 seconds and the seconds a bandwidth-bound step would need (weights plus the KV cache of every launched
 sequence, read once at --bandwidth), then the compilations and the slowest steps. Times are host wall
 clock between step returns: with overlap on, a step's time is the device time of the step it finished."""

@@ -1,14 +1,22 @@
 """Embeddings the same way for every model: check, truncate, pack longest first without padding into batches
 within a token budget, forward, pool and normalise as the model declares, and return in the caller's order.
-The decoder's ModelRunner and the EncoderRunner differ only in the forward they pass in."""
+Decoders and encoders differ only in the forward an Embedder is given: a decoder's runs through its
+ModelRunner (on every tensor-parallel rank, its KV cache untouched), an encoder's is a plain call."""
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.pooling import PoolingConfig, pool
+from kernels import AttentionMetadata
+from models.pooling import PoolingConfig, pool, read_pooling_config
+
+# Pooling for models whose directory does not say (no sentence-transformers modules.json): decoders pool their
+# last token, as Qwen3-Embedding does; encoders their [CLS] token.
+DEFAULT_DECODER_POOLING = "last"
+DEFAULT_ENCODER_POOLING = "cls"
+Forward = Callable[[list[list[int]]], tuple[Tensor, Tensor]]  # a batch of token lists -> (hidden [T, H], cu_seqlens)
 
 
 def check_inputs(token_lists: list[list[int]], vocab_size: int) -> None:
@@ -62,14 +70,66 @@ def pack(token_lists: list[list[int]], device: torch.device) -> tuple[Tensor, Te
     return input_ids, positions, cu_seqlens, int(lengths.max())
 
 
-def embed(token_lists: list[list[int]], forward: Callable[[list[list[int]]], tuple[Tensor, Tensor]],
-          pooling: PoolingConfig, limit: int, max_batch_tokens: int, hidden_size: int) -> Tensor:
-    """One float32 vector per input [n, H] on the CPU, in the order given. forward(batch) returns the packed
-    hidden states [T, H] of a batch of token lists and the cu_seqlens it packed them with."""
-    token_lists = [truncate(tokens, limit) for tokens in token_lists]
-    out = torch.empty(len(token_lists), hidden_size, dtype=torch.float32)
-    for group in longest_first_batches(token_lists, max(max_batch_tokens, limit)):
-        hidden, cu_seqlens = forward([token_lists[i] for i in group])
-        vectors = pool(hidden, cu_seqlens, pooling.mode)
-        out[torch.tensor(group)] = (F.normalize(vectors, dim=-1) if pooling.normalize else vectors).float().cpu()
-    return out
+def forward_decoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Hidden states [T, H] of packed sequences through a decoder, attending only within each (the KV cache
+    untouched), and their cu_seqlens."""
+    input_ids, positions, cu_seqlens, max_len = pack(token_lists, next(model.parameters()).device)
+    seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    meta = AttentionMetadata(slot_mapping=None, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens, block_tables=None,
+                             max_seqlen_q=max_len, max_seqlen_k=max_len, is_decode=False)
+    return model(input_ids, positions, meta), cu_seqlens
+
+
+def forward_encoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Hidden states [T, H] of packed sequences through an encoder, and their cu_seqlens."""
+    input_ids, positions, cu_seqlens, max_len = pack(token_lists, next(model.parameters()).device)
+    return model(input_ids, positions, cu_seqlens, max_len), cu_seqlens
+
+
+class Embedder:
+    """One model's embeddings. Inputs longer than max_model_len (the model's limit, or the shorter
+    max_seq_length its pooling config sets) keep their head and their last token (the end-of-text marker that
+    last-token pooling reads)."""
+
+    def __init__(self, forward: Forward, pooling: PoolingConfig, model_limit: int, max_batch_tokens: int,
+                 hidden_size: int, vocab_size: int):
+        self.forward, self.pooling = forward, pooling
+        self.max_model_len = min(model_limit, pooling.max_seq_length or model_limit)
+        self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+
+    @classmethod
+    def for_decoder(cls, config, loaded, forward: Forward, max_model_len: int) -> "Embedder":
+        """forward: the decoder's packed forward (ModelRunner.forward_packed)."""
+        pooling = read_pooling_config(loaded.model_dir, DEFAULT_DECODER_POOLING)
+        return cls(forward, pooling, max_model_len, config.max_embedding_batch_tokens,
+                   loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
+
+    @classmethod
+    def for_encoder(cls, config, loaded) -> "Embedder":
+        """An encoder model's embedder; on CUDA it runs once at a few lengths first, so that the kernels'
+        variants (they specialise on the longest sequence's power-of-two tile) compile now rather than at the
+        first requests."""
+        model = loaded.model
+        pooling = read_pooling_config(loaded.model_dir, DEFAULT_ENCODER_POOLING)
+        embedder = cls(lambda batch: forward_encoder(model, batch), pooling,
+                       min(config.max_model_len, model.max_positions), config.max_embedding_batch_tokens,
+                       loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
+        if next(model.parameters()).device.type == "cuda":
+            for length in sorted({min(2 ** i, embedder.max_model_len) for i in range(4, 8)}):
+                embedder.embed([[0] * length])
+        return embedder
+
+    @torch.inference_mode()
+    def embed(self, token_lists: list[list[int]]) -> Tensor:
+        """One float32 vector per input [n, H] on the CPU, in the order given; bad input -> ValueError."""
+        check_inputs(token_lists, self.vocab_size)
+        token_lists = [truncate(tokens, self.max_model_len) for tokens in token_lists]
+        out = torch.empty(len(token_lists), self.hidden_size, dtype=torch.float32)
+        for group in longest_first_batches(token_lists, self.max_batch_tokens):
+            hidden, cu_seqlens = self.forward([token_lists[i] for i in group])
+            vectors = pool(hidden, cu_seqlens, self.pooling.mode)
+            normalized = F.normalize(vectors, dim=-1) if self.pooling.normalize else vectors
+            out[torch.tensor(group)] = normalized.float().cpu()
+        return out
+

@@ -1,10 +1,14 @@
-"""The step both front ends drive: the Worker on its thread, LLM on the caller's thread."""
+"""The engine both front ends drive, the Worker on its thread and LLM on the caller's thread: requests in
+(add, abort), steps (step), embeddings (embed) and counters (stats)."""
 import json
 import logging
 import os
 
+from torch import Tensor
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.embedding import Embedder
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -19,13 +23,12 @@ class EngineCore:
         follow its calls; stopped if this runner cannot start."""
         self.model = config.model
         try:
-            self.runner = ModelRunner(config, loaded)
+            self.runner = ModelRunner(config, loaded, ranks)
         except BaseException:
             if ranks:
                 ranks.shutdown()
             raise
-        if ranks:
-            ranks.attach(self.runner)
+        self.embedder = Embedder.for_decoder(config, loaded, self.runner.forward_packed, self.runner.max_model_len)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
@@ -50,6 +53,24 @@ class EngineCore:
     def make_sequence(self, request_id, prompt_token_ids: list[int], params) -> Sequence:
         self.check_prompt(prompt_token_ids)
         return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a request made by make_sequence; step() computes it."""
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Ends a request with finish_reason "abort" and frees its blocks; a request that is finished, or was
+        never added, is left as it is."""
+        if seq in self.scheduler.running or seq in self.scheduler.waiting:
+            self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        """Whether a request is waiting or running."""
+        return self.scheduler.has_work()
+
+    def embed(self, token_lists: list[list[int]]) -> Tensor:
+        """Pooled float32 vectors [n, H] on the CPU, computed between steps (engine/embedding.py)."""
+        return self.embedder.embed(token_lists)
 
     def step(self) -> list[tuple[Sequence, int | None]]:
         """Computes one step. Returns each of its requests with its new token (None when it sampled nothing),

@@ -12,8 +12,8 @@ from engine.tensor_parallel import load_on_all_ranks
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Offline batches care for throughput only: prefill steps of twice the online budget (as vLLM's offline LLM
-# takes) halve their count and host work: 1-2% more on bench/throughput.py on an H100. The handler keeps 8,192,
-# which bounds how long a prefill step holds up the streams that are decoding.
+# takes) halve their count and host work. The handler keeps the smaller default, which bounds how long a
+# prefill step holds up the streams that are decoding.
 OFFLINE_MAX_BATCHED_TOKENS = 16384
 
 
@@ -44,13 +44,13 @@ class LLM:
         seqs = [self.core.make_sequence(i, self._encode(prompt), params)
                 for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
         for seq in seqs:
-            self.core.scheduler.add(seq)
+            self.core.add(seq)
         done, started = 0, time.perf_counter()
-        while self.core.scheduler.has_work():
+        while self.core.has_work():
             for seq, _ in self.core.step():
                 if seq.finish_reason == "error":
                     for other in seqs:
-                        self.core.scheduler.abort(other)
+                        self.core.abort(other)
                     raise RuntimeError(f"generation failed: {seq.error}")
                 done += seq.is_finished
             if progress:

@@ -2,10 +2,11 @@
 
 Rank 0 is this process: it schedules, owns the block manager and samples. Ranks 1..N-1 are spawned
 processes, each holding 1/N of every layer (models/parallel_layers.py) on GPU r and running the same
-ModelRunner code. A rank needs nothing but what rank 0's runner passes to ModelRunner.collective(): a
-method name and small host arguments (a staged step's sizes and numpy arrays, or token lists to embed),
-pickled once and written to one pipe per rank. The collectives inside the forward (NCCL on CUDA, gloo on
-CPU) keep the ranks in step; each rank captures its own CUDA graphs, the all-reduces inside them.
+ModelRunner code. Rank 0's runner is given the TensorParallelRanks and sends each call that every rank must
+make (ModelRunner.collective) to the others: a method name and small host arguments (a staged step's sizes
+and numpy arrays, or token lists to embed), pickled once and written to one pipe per rank. The collectives
+inside the forward (NCCL on CUDA, gloo on CPU) keep the ranks in step; each rank captures its own CUDA
+graphs, the all-reduces inside them.
 
 A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 is gone) or, should it be
 stuck inside a collective, when a watchdog thread sees that its parent has died. Rank 0 watches the ranks
@@ -58,7 +59,7 @@ def check_config(config: EngineConfig) -> None:
 
 def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParallelRanks | None"]:
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
-    theirs. EngineCore takes the ranks next: its runner's start-up runs in step with theirs, then it attaches."""
+    theirs. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
     check_config(config)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     try:
@@ -86,7 +87,7 @@ class TensorParallelRanks:
             theirs.close()
             self.processes.append(process)
             self.pipes.append(ours)
-        self.graphs: list[dict] = []  # the attached runner's captured graphs, released before leaving the group
+        self.graphs: list[dict] = []  # rank 0's runner's captured graphs, released before leaving the group
         self.stopping = threading.Event()  # set once shutdown has begun: ranks exiting then are expected
         self._stop = weakref.finalize(self, stop_ranks, self.processes, self.pipes, self.graphs, self.stopping)
         try:
@@ -94,7 +95,6 @@ class TensorParallelRanks:
         except BaseException:
             self.shutdown()
             raise
-        self.runner: ModelRunner | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -115,11 +115,9 @@ class TensorParallelRanks:
                     raise RuntimeError(f"tensor-parallel rank {waiting[ready]} could not load the model: {error}")
                 del waiting[ready]
 
-    def attach(self, runner: ModelRunner) -> None:
-        """From now on the runner's collective calls run on every rank."""
-        self.runner = runner
-        runner.collective = self.collective
-        self.graphs.append(runner.graphs)
+    def release_at_shutdown(self, graphs: dict) -> None:
+        """Rank 0's captured CUDA graphs, cleared before shutdown leaves the process group (see leave_group)."""
+        self.graphs.append(graphs)
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Calls on_lost(reason) from a watchdog thread if a rank exits before shutdown."""
@@ -133,7 +131,8 @@ class TensorParallelRanks:
             process.join(PARENT_POLL_S)  # the sentinel can fire a moment before the exit code is there
             on_lost(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
 
-    def collective(self, method: str, *args):
+    def send_call(self, method: str, args: tuple) -> None:
+        """Has every other rank call its runner's `method` with `args`, as rank 0's runner is about to."""
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
@@ -141,7 +140,6 @@ class TensorParallelRanks:
             except OSError:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code "
                                    f"{self.processes[rank - 1].exitcode}); restart the engine") from None
-        return getattr(self.runner, method)(*args)
 
     def shutdown(self) -> None:
         """Stops the ranks (a second call does nothing)."""
@@ -182,7 +180,7 @@ def leave_group(graphs: list[dict]) -> None:
     """Releases rank 0's CUDA graphs, then aborts its process group (the other ranks exit without teardown,
     so nothing waits for them). A captured NCCL collective holds a reference on its communicator until its
     graph is destroyed, and NCCL's destroy and abort both wait for those references: with the graphs alive,
-    shutdown hung forever on 2 H200s."""
+    shutdown hangs forever."""
     for captured in graphs:
         captured.clear()
     if dist.is_initialized():

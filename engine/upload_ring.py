@@ -2,9 +2,9 @@
 
 `tensor.pin_memory().to(device, non_blocking=True)` asks torch's caching host allocator for page-locked
 memory on every call, and allocates more (cudaHostAlloc) whenever it has no free block of the size asked for
-(a new batch size, or its blocks still in flight). With the sampler uploading that way, bench/throughput.py
-on an H100 showed about ten host stalls of 3-13 ms per run at batch changes, each delaying the step the
-engine launches ahead of the one running; with this ring, none. The ring cycles through a few pinned
+(a new batch size, or its blocks still in flight). With the sampler uploading that way the host stalled at
+batch changes, each stall delaying the step the engine launches ahead of the one running; with this ring it
+does not. The ring cycles through a few pinned
 buffers; a buffer is refilled only once the copy from it has finished, which with several buffers in the
 ring happened steps ago.
 """

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.embedding import check_inputs
-from engine.encoder_runner import EncoderRunner
+from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -58,11 +57,11 @@ class Worker:
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
         if self.kind == "encoder":
-            self.core, self.embedder = None, EncoderRunner(config, loaded)
+            self.core, self.embedder = None, Embedder.for_encoder(config, loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
         else:
             self.core = EngineCore(config, loaded, self.ranks)
-            self.embedder = self.core.runner
+            self.embedder = self.core.embedder
             self.eos_token_ids, self.max_model_len = self.core.eos_token_ids, self.core.max_model_len
         self._cond = threading.Condition()
         self._new: list[_Request] = []
@@ -157,7 +156,7 @@ class Worker:
         while True:
             with self._cond:
                 while not (self._stopped or self._lost or self._new or self._aborts or self._embed_jobs
-                           or (self.core and self.core.scheduler.has_work())):
+                           or (self.core and self.core.has_work())):
                     self._cond.wait()
                 if self._lost:  # its requests have been failed; no step can complete any more
                     return
@@ -183,17 +182,17 @@ class Worker:
 
     def _iteration(self, new: list[_Request], aborts: list, jobs: list[_EmbedJob]) -> None:
         for request in new:
-            self.core.scheduler.add(request.seq)
+            self.core.add(request.seq)
         finished = []
         for request_id in aborts:
             request = self._requests.get(request_id)
             if request is not None and not request.seq.is_finished:
-                self.core.scheduler.abort(request.seq)
+                self.core.abort(request.seq)
                 finished.append((request.seq, None))
         self._deliver(finished)
         if jobs:
             self._run_embed_jobs(jobs)
-        if self.core and self.core.scheduler.has_work():
+        if self.core and self.core.has_work():
             self._deliver(self.core.step())
 
     def _take_embed_jobs(self) -> list[_EmbedJob]:
@@ -239,8 +238,7 @@ class Worker:
     def _fail_everything(self, error: str) -> None:
         seqs = [request.seq for request in list(self._requests.values()) if not request.seq.is_finished]
         for seq in seqs:
-            if seq in self.core.scheduler.running or seq in self.core.scheduler.waiting:
-                self.core.scheduler.abort(seq)
+            self.core.abort(seq)
             seq.finish("error", error)
         self._deliver([(seq, None) for seq in seqs])
 

@@ -8,7 +8,7 @@ once per KV head and multiplied against every query head that shares it.
 - decode (`meta.is_decode`): one program per (sequence, KV head, split); the group's queries are padded to
   16 rows for tl.dot. Contexts are cut into splits (flash-decoding), more when batch * kv_heads cannot fill
   the GPU; the split that finishes last merges the partial outputs by their log-sum-exp, in the same kernel
-  (a merge kernel of its own cost 2-4 us per layer, 0.05-0.1 ms per step on an H100). A split is a chunk of
+  (a merge kernel of its own would add a launch per layer). A split is a chunk of
   the batch's longest context, found on the device from seq_lens, so the result never depends on
   meta.max_seqlen_k being exact (a CUDA graph captured at one length replays correctly at another).
   meta.seq_order, when given, is the order the sequences' programs start in (the engine stages longest
@@ -168,7 +168,7 @@ def _decode_kernel(
     if SPLIT:
         # Every split is a chunk of the batch's longest span: a sequence takes as many as its span needs,
         # so the programs do equal work and none runs long after the others (cutting each sequence into
-        # equal parts kept a long sequence's parts long: 8-24% slower on varied lengths).
+        # equal parts kept a long sequence's parts long, slower on varied lengths).
         # Splits that only BALANCE a full GPU are at least the mean span: equal spans are not cut.
         lens = tl.arange(0, LENS_BLOCK)
         batch_spans = tl.load(seq_lens_ptr + lens, mask=lens < num_seqs, other=0)
@@ -290,8 +290,8 @@ def _prefill_kernel(
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
-    # KV heads fastest: the heads of one tile, which share each cache row, run side by side (8% faster than
-    # tiles fastest on an 8,192-token prefill); one grid axis, since tiles can pass the 65,535 of the others.
+    # KV heads fastest: the heads of one tile, which share each cache row, run side by side (faster than
+    # tiles fastest on a long prefill); one grid axis, since tiles can pass the 65,535 of the others.
     kv_head = tl.program_id(0) % num_kv_heads
     tile = tl.program_id(0) // num_kv_heads
     # Tiles are numbered across the batch, sequence after sequence: find this program's sequence and tile.
@@ -365,9 +365,9 @@ def _occupancy(device: torch.device) -> int:
 def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
     at least MIN_SPLITS, at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled
-    variants), at most MAX_SPLITS. On a full GPU the two splits cost 2-9% at equal context lengths (which they
-    leave whole) and gain 4-25% at lengths spread over 100-2,100 tokens (H100, batch 256 to 64), where the
-    longest sequences would otherwise run on after the rest: 18.2k -> 18.6k tok/s on bench/throughput.py."""
+    variants), at most MAX_SPLITS. On a full GPU the two splits cost a little at equal context lengths (which
+    they leave whole) and gain more at spread lengths, where the longest sequences would otherwise run on
+    after the rest (bench/decode_balance.py measures both)."""
     target = _occupancy(device)
     wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // MIN_TOKENS_PER_SPLIT,
                  MAX_SPLITS)
@@ -462,7 +462,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         WINDOW=window > 0, HAS_SINKS=sinks is not None,
-        num_warps=4, num_stages=2,  # the fastest at batch 64-256 on contexts of 100-2,100 tokens on an H100
+        num_warps=4, num_stages=2,  # the fastest at large batches of varied context lengths
         **launch_options(q),
     )
     return out
@@ -476,8 +476,8 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out
-    # 64 x 32 tiles, 4 warps, 2 stages: 22% faster than 128 x 64 with 8 warps on an 8,192-token prefill of
-    # 100-1,024-token prompts (H100: 215 against 169 TFLOP/s)
+    # 64 x 32 tiles, 4 warps, 2 stages: faster than 128 x 64 with 8 warps on a long prefill of prompts of
+    # varied lengths
     block_m = max(16, min(64, triton.next_power_of_2(max_seqlen_q * group)), triton.next_power_of_2(group))
     tokens_per_tile = block_m // group
     paged = block_tables is not None

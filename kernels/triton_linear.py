@@ -1,13 +1,13 @@
 """Triton y = x W^T (+ b) for the few rows of a decode step, split along K.
 
-At decode sizes a projection is a read of its weight. cuBLAS tiles such a GEMM by its output only: with
-N = 1,024 outputs that is 8-16 programs on an H100's 132 SMs, and it reads the weight at 0.65-0.9 TB/s.
+At decode sizes a projection is a read of its weight. cuBLAS tiles such a GEMM by its output only: with a
+narrow output that is far fewer programs than the GPU has SMs, and the weight is read well below bandwidth.
 Here each output tile's K range is cut into SPLIT_K parts, one program each, enough to fill the GPU. Every
 part stores its float32 partial product; the last part of a tile to arrive adds them all in split order
 (the result does not depend on arrival order) and stores the tile. With programmatic dependent launch
-(kernels/dependent_launch.py), a 28-layer chain of norms and these GEMMs runs 8-17% faster than with cuBLAS
-at 1-128 rows (H100). Above that cuBLAS's own tiles fill the GPU: this kernel made decode steps of 136-256
-rows 5-8% slower, so larger batches and prefill stay on cuBLAS.
+(kernels/dependent_launch.py), a chain of norms and these GEMMs runs faster than with cuBLAS up to MAX_ROWS
+rows. Above that cuBLAS's own tiles fill the GPU and this kernel made decode steps slower, so larger batches
+and prefill stay on cuBLAS.
 """
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    release_next(USE_PDL)  # after the loop: 4-13% faster than at the start at 64-128 rows, 4-8% slower at 1-16
+    release_next(USE_PDL)  # after the loop: faster than at the start at large row counts, slower at small ones
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, HAS_BIAS)
@@ -93,8 +93,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
 def choose_config(m: int, n: int, k: int, sms: int) -> tuple | None:
     """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, or K
     not a multiple of TILE_K). Tiles of 16 rows up to 16 rows, else 64, and 32 columns; K split in two or four
-    while the programs still fit in one wave (the fastest configs of an H100 sweep over the Qwen3-0.6B
-    projections at 1-128 rows: .carry/splitk_sweep.py in the 5th session's bench/RESULTS.md)."""
+    while the programs still fit in one wave (the fastest configs of a sweep over the Qwen3-0.6B projections
+    at decode sizes)."""
     if not 0 < m <= MAX_ROWS or k % TILE_K:
         return None
     block_m, block_n = (16 if m <= 16 else 64), 32

@@ -2,8 +2,8 @@
 
 Each row's token is argmax(logits / temperature + G) with G standard Gumbel noise, which draws from
 softmax(logits / temperature) exactly (the Gumbel-max trick); a row of temperature 0 takes argmax(logits).
-One program reads its row once and writes one id: the torch path (softmax, noise, division, argmax) makes
-about ten passes over a [rows, vocab] float32 tensor, 0.5 ms a step at 256 rows of a 152k vocabulary.
+One program reads its row once and writes one id, where the torch path (softmax, noise, division, argmax)
+makes many passes over a [rows, vocab] float32 tensor.
 The noise is Philox keyed by one 64-bit seed per row and the token's column, so a row's draw depends only
 on its seed, never on the batch around it.
 """

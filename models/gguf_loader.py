@@ -2,12 +2,12 @@
 its weights dequantised tensor by tensor to transformers names.
 
 Parsing a GGUF's metadata is slow: gguf's GGUFReader walks the vocabulary and the merge table one element at a
-time (seconds for SmolLM2's 49k tokens), and transformers' AutoConfig and AutoTokenizer each parse the file
+time, and transformers' AutoConfig and AutoTokenizer each parse the file
 again. So gguf_model_dir converts the metadata once into an ordinary model directory (config.json,
 generation_config.json, the fast tokenizer's files with the chat template), cached on disk under
 $HFENDPOINT_CACHE_DIR (default ~/.cache/nanovllm-endpoint) and reused while the file keeps its path, size and
 mtime. The weights stay in the .gguf: finding them needs only the tensor table (transformers' GgufHeader skips
-the vocabulary, milliseconds), and gguf.quants.dequantize materialises one float32 tensor at a time.
+the vocabulary, so it is quick), and gguf.quants.dequantize materialises one float32 tensor at a time.
 """
 
 import contextlib

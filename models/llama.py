@@ -217,8 +217,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """Logits [N, V] in the model's dtype for the hidden states of the N tokens that sample (None on
         tensor-parallel ranks other than 0: only rank 0 samples). The sampler reads them in float32 itself: a
-        float32 copy of a batch's logits costs more than the sampling that most batches do (0.12 ms at 256 rows
-        of a 152k vocabulary on an H100)."""
+        float32 copy of a batch's logits costs more than the sampling that most batches do."""
         if self.lm_head is None:
             raise ValueError("this checkpoint has no LM head (a bare decoder); it can embed but not generate")
         return self.lm_head(hidden)

@@ -11,8 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine import Worker
 from engine.config import EngineConfig
-from engine.embedding import longest_first_batches, truncate
-from engine.encoder_runner import EncoderRunner
+from engine.embedding import Embedder, longest_first_batches, truncate
 from models import load_model
 from models.bert import BertModel, load_bert
 
@@ -36,11 +35,11 @@ def make_texts(count: int = 60, seed: int = 0) -> list[str]:
     return texts
 
 
-def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> EncoderRunner:
+def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> Embedder:
     loaded = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert loaded.kind == "encoder" and isinstance(loaded.model, BertModel)
     config = EngineConfig(model=model_dir, device="cpu", max_embedding_batch_tokens=max_embedding_batch_tokens)
-    return EncoderRunner(config, loaded)
+    return Embedder.for_encoder(config, loaded)
 
 
 @pytest.fixture(scope="module")

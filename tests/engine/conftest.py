@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from engine.model_runner import ModelRunner
+from engine import kv_cache
 from random_decoders import save_random_decoder
 
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +71,7 @@ def engines_share_the_gpu(monkeypatch):
     get a fixed pool unless they ask for one. Engines of earlier tests, kept alive by reference cycles, are
     collected after each test."""
     if torch.cuda.is_available():
-        monkeypatch.setattr(ModelRunner, "_blocks_fitting_gpu", lambda runner, block_bytes: CUDA_TEST_KV_BLOCKS)
+        monkeypatch.setattr(kv_cache, "blocks_fitting_gpu", lambda *args: CUDA_TEST_KV_BLOCKS)
     yield
     if torch.cuda.is_available():
         gc.collect()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import GraphShape
+from engine.cuda_graphs import GraphShape
 
 LENGTHS = [3, 17, 33, 50]
 NEW = 32
@@ -91,7 +91,7 @@ def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
     llm = LLM(tiny_llama.path, dtype="float32", overlap_steps=False)  # no step launched ahead of the prompts
     core, runner = llm.core, llm.core.runner
     for i, prompt in enumerate(prompts_of_lengths([5, 18, 9])):
-        core.scheduler.add(core.make_sequence(i, prompt, GREEDY))
+        core.add(core.make_sequence(i, prompt, GREEDY))
     core.step()
     seqs, counts = core.scheduler.schedule()
     assert counts == [1, 1, 1]
@@ -101,7 +101,7 @@ def test_padded_decode_step_matches_unpadded(tiny_llama, prompts_of_lengths):
     for graph in (None, GraphShape(8, 8, is_decode=True)):
         for cache, saved in zip(caches, before):
             cache.copy_(saved)
-        step = runner.prepare(seqs, counts, graph)
+        step = runner.buffers.prepare(seqs, counts, graph)
         assert step.meta.is_decode and len(step.input_ids) == (graph.num_tokens if graph else 3)
         outputs.append(runner.model(step.input_ids, step.positions, step.meta)[:3])
     assert torch.allclose(outputs[0], outputs[1], atol=1e-5)  # batch size may change matmul rounding only
@@ -125,19 +125,19 @@ def test_staged_inputs_follow_batch_changes(tiny_llama, prompts_of_lengths):
     core, runner = llm.core, llm.core.runner
     seqs = [core.make_sequence(i, prompt, GREEDY) for i, prompt in enumerate(prompts_of_lengths([40, 7, 23]))]
     for seq in seqs:
-        core.scheduler.add(seq)
+        core.add(seq)
     core.step()  # 40 + 7 + 17 of 23 tokens
     caches = [layer.self_attn.k_cache.clone() for layer in runner.model.model.layers]
     for batch in (seqs, seqs[::-1], seqs[1:]):
-        step = runner.prepare(batch, [1] * len(batch), GraphShape(4, 4, is_decode=True))
+        step = runner.buffers.prepare(batch, [1] * len(batch), GraphShape(4, 4, is_decode=True))
         for row, seq in enumerate(batch):
             assert step.meta.block_tables[row, :len(seq.block_table)].tolist() == seq.block_table
             expected = seq.block_table[seq.num_computed_tokens // 16] * 16 + seq.num_computed_tokens % 16
             assert step.meta.slot_mapping[row] == expected
     core.block_manager.free(seqs[2])
     core.block_manager.allocate(seqs[2], 1)  # one block, at the front of the free queue
-    step = runner.prepare(seqs[1:], [1, 1])
+    step = runner.buffers.prepare(seqs[1:], [1, 1])
     assert step.meta.block_tables[1, :1].tolist() == seqs[2].block_table and step.meta.seq_lens.tolist() == [8, 1]
-    step = runner.prepare([], [], GraphShape(2, 2, is_decode=True))
+    step = runner.buffers.prepare([], [], GraphShape(2, 2, is_decode=True))
     runner.model(step.input_ids, step.positions, step.meta)
     assert all(torch.equal(layer.self_attn.k_cache, saved) for layer, saved in zip(runner.model.model.layers, caches))

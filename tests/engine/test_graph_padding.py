@@ -1,13 +1,11 @@
 """The inputs CUDA graphs replay, checked on the CPU: every step is staged padded to the captured shape the
 GPU would replay (decode batch sizes, prefill token counts), and a stand-in graph runs the model eagerly on
 exactly those padded device buffers. Greedy outputs must still equal transformers' token for token."""
-from types import SimpleNamespace
-
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.model_runner import GraphShape, ModelRunner
+from engine.cuda_graphs import CudaGraphs, GraphShape
 from kernels import AttentionMetadata
 
 NEW = 24
@@ -22,22 +20,22 @@ class EagerReplay:
 
     def replay(self) -> None:
         runner, shape = self.runner, self.shape
-        ids, positions, slots, _, cu_seqlens, seq_lens, order, tables = runner._device_inputs(
+        ids, positions, slots, _, cu_seqlens, seq_lens, order, tables = runner.buffers.device_views(
             shape.num_tokens, shape.num_rows, 0)
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
                                  block_tables=tables, max_seqlen_q=1 if shape.is_decode else shape.num_tokens,
                                  max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode, seq_order=order)
-        runner.graph_hidden[:shape.num_tokens] = runner.model(ids, positions, meta)
+        runner.graphs.hidden[:shape.num_tokens] = runner.model(ids, positions, meta)
         self.replays += 1
 
 
 def with_eager_graphs(llm) -> dict:
     runner = llm.core.runner
-    shapes = runner._graph_shapes()
-    runner.graph_hidden = torch.zeros(max(s.num_tokens for s in shapes), runner.hidden_size, dtype=runner.dtype,
-                                      device=runner.device)
-    runner.graphs = {shape: EagerReplay(runner, shape) for shape in shapes}
-    return runner.graphs
+    shapes = runner.graphs.shapes()
+    runner.graphs.hidden = torch.zeros(max(s.num_tokens for s in shapes), runner.hidden_size, dtype=runner.dtype,
+                                       device=runner.device)
+    runner.graphs.captured = {shape: EagerReplay(runner, shape) for shape in shapes}
+    return runner.graphs.captured
 
 
 def test_padded_graph_steps_match_transformers(tiny_model, prompts_of_lengths):
@@ -66,18 +64,18 @@ def test_prefill_graph_padding_with_prefix_hits(tiny_llama, prompts_of_lengths):
 def test_graph_choice():
     """Pure decode picks the next decode batch size up; other steps the next prefill token count up (rows
     padded to max_num_seqs); past PREFILL_GRAPH_MAX_TOKENS or max_num_batched_tokens, eager."""
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.config = EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=4096)
-    runner.graph_sizes = [1, 2, 4, 8, 16, 24, 32]
-    runner.prefill_graph_tokens = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
-    runner.graphs = SimpleNamespace()  # truthy: graphs captured
-    assert runner._graph_for([1] * 5) == GraphShape(8, 8, is_decode=True)
-    assert runner._graph_for([1] * 32) == GraphShape(32, 32, is_decode=True)
-    assert runner._graph_for([1024]) == GraphShape(1024, 32, is_decode=False)
-    assert runner._graph_for([1, 1, 30]) == GraphShape(32, 32, is_decode=False)
-    assert runner._graph_for([1030, 1, 1]) == GraphShape(1536, 32, is_decode=False)
-    assert runner._graph_for([2049]) is None
-    assert runner._graph_for([1] * 33) is None
+    graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=4096))
+    assert graphs.decode_sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert graphs.prefill_tokens == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert graphs.shape_for([1] * 5) is None  # nothing captured: every step runs eagerly
+    graphs.captured = dict.fromkeys(graphs.shapes())
+    assert graphs.shape_for([1] * 5) == GraphShape(8, 8, is_decode=True)
+    assert graphs.shape_for([1] * 32) == GraphShape(32, 32, is_decode=True)
+    assert graphs.shape_for([1024]) == GraphShape(1024, 32, is_decode=False)
+    assert graphs.shape_for([1, 1, 30]) == GraphShape(32, 32, is_decode=False)
+    assert graphs.shape_for([1030, 1, 1]) == GraphShape(1536, 32, is_decode=False)
+    assert graphs.shape_for([2049]) is None
+    assert graphs.shape_for([1] * 33) is None
 
 
 def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
@@ -86,7 +84,7 @@ def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
     llm = LLM(tiny_llama.path, dtype="float32", max_num_seqs=8)
     runner = llm.core.runner
     for num_tokens, num_rows in [(1, 1), (7, 3), (13, 5), (33, 8)]:
-        views = runner._device_inputs(num_tokens, num_rows, num_rows)
+        views = runner.buffers.device_views(num_tokens, num_rows, num_rows)
         assert [view.storage_offset() % 16 for view in views] == [0] * len(views)
     prompts = prompts_of_lengths([3, 10, 21])
     assert ([out["token_ids"] for out in llm.generate(prompts, GREEDY)]
@@ -98,7 +96,7 @@ def test_decode_rows_are_ordered_longest_context_first(tiny_llama, prompts_of_le
     context length, then its padding rows as they are."""
     llm = LLM(tiny_llama.path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=24)
     runner, orders = llm.core.runner, []
-    upload = runner._upload
+    upload = runner.buffers.upload
 
     def recording_upload(staged):
         step = upload(staged)
@@ -107,7 +105,7 @@ def test_decode_rows_are_ordered_longest_context_first(tiny_llama, prompts_of_le
             orders.append((step.meta.seq_lens.tolist(), step.meta.seq_order.tolist(), rows))
         return step
 
-    runner._upload = recording_upload
+    runner.buffers.upload = recording_upload
     prompts = prompts_of_lengths([5, 30, 1, 40, 12])
     assert ([out["token_ids"] for out in llm.generate(prompts, GREEDY)]
             == [tiny_llama.greedy(prompt, NEW) for prompt in prompts])

@@ -112,16 +112,16 @@ def test_abort_while_a_step_is_in_flight(tiny_llama, prompts_of_lengths):
     seqs = [core.make_sequence(i, prompt, SamplingParams(temperature=0, max_tokens=NEW))
             for i, prompt in enumerate(prompts)]
     for seq in seqs:
-        core.scheduler.add(seq)
+        core.add(seq)
     delivered = {seq.request_id: [] for seq in seqs}
     steps = 0
-    while core.scheduler.has_work():
+    while core.has_work():
         for seq, token_id in core.step():
             delivered[seq.request_id].append(token_id)
         steps += 1
         if steps == 6:
             assert core.in_flight is not None and seqs[1] in core.in_flight.seqs
-            core.scheduler.abort(seqs[1])
+            core.abort(seqs[1])
     assert seqs[1].finish_reason == "abort" and delivered[1] == references[1][:len(delivered[1])]
     assert seqs[1].output_token_ids == delivered[1] and 0 < len(delivered[1]) < NEW
     assert [delivered[0], delivered[2]] == [references[0], references[2]]

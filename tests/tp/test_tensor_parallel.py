@@ -55,7 +55,7 @@ def test_two_ranks_generate_what_one_does(tp_model_path, name):
         assert two.core.block_manager.num_hit_tokens - hits >= 8 * 16
     finally:
         pids = two.ranks.pids
-        graphs = two.core.runner.graphs
+        graphs = two.core.runner.graphs.captured
         graphs["stand-in"] = object()  # on the GPU, captured graphs pin NCCL's communicator until released
         two.shutdown()
     assert wait_gone(pids, timeout=0.5) == []
@@ -68,7 +68,7 @@ def test_worker_serves_generation_and_embeddings_on_two_ranks(tp_model_path):
     batch = prompts([5, 33], seed=2)
     one = LLM(path, device="cpu")
     expected = generate(one, batch)
-    expected_vectors = one.core.runner.embed(batch)
+    expected_vectors = one.core.embed(batch)
     reasons = []
     worker = Worker(EngineConfig(path, device="cpu", tensor_parallel_size=2), on_fatal=reasons.append)
     pids = worker.ranks.pids

@@ -1,0 +1,82 @@
+"""CUDA graphs of the decoder's forward, captured once at start-up and replayed by steps of their shape.
+
+A pure-decode step replays the graph of the next batch size up on a ladder, padded with one-token rows that
+write to slot -1 and read one key. Any other step of at most PREFILL_GRAPH_MAX_TOKENS tokens replays the graph
+of the next token count up, padded with empty rows to max_num_seqs and with tokens that no row owns (slot -1,
+never attended): an eager forward costs more host time than a prefill of that size takes on the GPU. A graph
+reads its inputs from the step buffers at fixed addresses (engine/step_inputs.py) and writes its hidden
+states into one shared output tensor.
+"""
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig
+
+PREFILL_GRAPH_MAX_TOKENS = 2048  # past this a prefill's GPU time covers its launches, and padding costs more
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The padded shape a captured graph runs. Decode graphs pad with one-token rows (num_tokens ==
+    num_rows); prefill graphs pad with empty rows and with tokens no row owns."""
+    num_tokens: int
+    num_rows: int
+    is_decode: bool
+
+
+class CudaGraphs:
+    def __init__(self, config: EngineConfig):
+        self.max_num_seqs = max_size = config.max_num_seqs
+        self.decode_sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 8), max_size] if s <= max_size})
+        most = min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)  # 16, 24, 32, 48, 64, ..., most
+        self.prefill_tokens = sorted({t for t in [*(m << e for e in range(3, 11) for m in (2, 3)), most]
+                                      if t <= most})
+        self.captured: dict[GraphShape, torch.cuda.CUDAGraph] = {}  # empty: every step runs eagerly
+        self.hidden: Tensor | None = None  # the hidden states every graph writes, [largest graph's tokens, H]
+
+    def shape_for(self, num_tokens: list[int]) -> GraphShape | None:
+        """The captured graph to replay for a step computing num_tokens per row; None runs it eagerly."""
+        num_rows, total = len(num_tokens), sum(num_tokens)
+        if not self.captured or num_rows > self.max_num_seqs:
+            return None
+        if total == num_rows:  # one token per row: pure decode
+            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_rows)]
+            return GraphShape(size, size, is_decode=True)
+        if total <= self.prefill_tokens[-1]:
+            size = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, total)]
+            return GraphShape(size, self.max_num_seqs, is_decode=False)
+        return None
+
+    def shapes(self) -> list[GraphShape]:
+        return ([GraphShape(size, size, is_decode=True) for size in self.decode_sizes]
+                + [GraphShape(size, self.max_num_seqs, is_decode=False) for size in self.prefill_tokens])
+
+    def capture(self, model, prepare: Callable, hidden_size: int) -> None:
+        """One graph per decode batch size and prefill token count, largest first so the smaller ones reuse
+        its memory pool; each is warmed up and captured on a step of padding only, whose inputs
+        prepare([], [], shape) stages in the step buffers."""
+        parameter = next(model.parameters())
+        shapes = sorted(self.shapes(), key=lambda shape: shape.num_tokens, reverse=True)
+        self.hidden = torch.zeros(shapes[0].num_tokens, hidden_size, dtype=parameter.dtype, device=parameter.device)
+        pool_handle = None
+        with torch.inference_mode():
+            for shape in shapes:
+                step = prepare([], [], shape)
+                hidden = self.hidden[:shape.num_tokens]
+                graph = torch.cuda.CUDAGraph()
+                hidden.copy_(model(step.input_ids, step.positions, step.meta))  # warm-up
+                torch.cuda.synchronize(parameter.device)
+                with torch.cuda.graph(graph, pool_handle):
+                    hidden.copy_(model(step.input_ids, step.positions, step.meta))
+                pool_handle = graph.pool()
+                self.captured[shape] = graph
+        torch.cuda.synchronize(parameter.device)
+
+    def replay(self, shape: GraphShape) -> Tensor:
+        """Runs the graph of this shape on the staged inputs; returns its hidden states, padding included."""
+        self.captured[shape].replay()
+        return self.hidden[:shape.num_tokens]
