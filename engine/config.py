@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the model's dtype
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -25,6 +26,7 @@ class EngineConfig:
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
+    kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -39,6 +41,7 @@ class EngineConfig:
         _check("cpu_kv_cache_gb", isinstance(self.cpu_kv_cache_gb, (int, float)) and self.cpu_kv_cache_gb > 0,
                "a number > 0")
         _check("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        _check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")
         _check("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
@@ -75,6 +78,10 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
 
 ENV_NAMES = {
     "max_model_len": "HFENDPOINT_MAX_MODEL_LEN",
@@ -90,6 +97,7 @@ ENV_NAMES = {
     "device": "HFENDPOINT_DEVICE",
     "max_embedding_batch_tokens": "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS",
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
+    "kv_cache_dtype": "HFENDPOINT_KV_CACHE_DTYPE",
 }
 
 

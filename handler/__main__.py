@@ -36,9 +36,11 @@ def main() -> int:
         daemon_protocol.error(f"handler: error: cannot load {model.path}: {type(exc).__name__}: {exc}")
         return 1
     try:
-        stats = worker.stats()
+        blocks = worker.stats()["num_total_blocks"]
+        kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
+        kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
         daemon_protocol.error(f"handler: ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-                              f"max_model_len {worker.max_model_len}, {stats['num_total_blocks']} KV blocks")
+                              f"max_model_len {worker.max_model_len}{kv_cache}")
         service = Service(worker, tokenizer, name)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from models.kv_scales import is_attention_scale
 from models.parallel_layers import default_weight_loader
 
 # Checkpoint tensors that are buffers or duplicates, not parameters.
@@ -48,8 +49,10 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
 
 
 def _target(model: nn.Module, params: dict, name: str) -> tuple[str, int | None] | None:
-    """(our parameter name, slice index in a fused module or None) for a checkpoint name; None to skip it."""
-    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+    """(our parameter name, slice index in a fused module or None) for a checkpoint name; None to skip it (FP8
+    attention scales: an FP8 KV cache reads those of keys and values itself, models/kv_scales.py)."""
+    if name.endswith(IGNORED_SUFFIXES) or is_attention_scale(name) or (
+            name == "lm_head.weight" and model.tie_word_embeddings):
         return None
     if name not in params and not name.startswith(("model.", "lm_head.")):
         name = "model." + name
