@@ -9,6 +9,7 @@ from random import randint, seed
 import torch
 
 from engine import LLM, SamplingParams
+from fp8_attention_sweep import use_decode_tiles
 from random_model import make_random_model
 
 
@@ -59,10 +60,16 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
     args = ap.parse_args()
+    if args.decode_tiles:
+        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype)
     core = llm.core
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up

@@ -1,6 +1,7 @@
 """GPU check: the engine's logits for a random Qwen3-0.6B-shaped model against transformers' on the same
 weights, teacher-forced over 256 positions, through the real step path: chunked prefill, decode with and
-without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error."""
+without CUDA graphs, and a second pass that hits the prefix cache. Prints top-1 agreement and log-prob error.
+--kv-cache-dtype fp8 runs the engine with an FP8 KV cache (transformers keeps its bf16 / fp32 one)."""
 import argparse
 from random import randint, seed
 
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--positions", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
@@ -72,8 +74,9 @@ def main():
     torch.cuda.empty_cache()
     rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32))]
     for eager in (False, True):
-        llm = LLM(path, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3)
-        name = "eager" if eager else "cuda graphs"
+        llm = LLM(path, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
+                  kv_cache_dtype=args.kv_cache_dtype)
+        name = ("eager" if eager else "cuda graphs") + (", fp8 KV" if args.kv_cache_dtype == "fp8" else "")
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
         rows.append((f"engine ({name}, chunked prefill 128) vs bf16", *compare(ours, ref, ref32)))
         rows.append((f"engine ({name}) vs fp32", *compare(ours, ref32, ref32)))
@@ -84,9 +87,9 @@ def main():
     top2 = ref32.topk(2, dim=-1).values
     decided = ((top2[:, 0] - top2[:, 1]) > MARGIN).sum().item()
     print(f"{decided} of {len(ref32)} positions have a top-2 margin over {MARGIN} in the fp32 reference")
-    print(f"{'comparison':52} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
+    print(f"{'comparison':60} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
     for name, agree, agree_decided, med, mx in rows:
-        print(f"{name:52} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
+        print(f"{name:60} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import time
 from random import randint, seed
 
 from engine import LLM, SamplingParams
+from fp8_attention_sweep import use_decode_tiles
 from random_model import make_random_model
 from step_trace import StepTrace
 
@@ -28,11 +29,19 @@ def main():
     ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
     args = ap.parse_args()
+    if args.decode_tiles:
+        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap, **overrides)
+              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, **overrides)
+    blocks = llm.core.runner.num_blocks
+    print(f"KV cache: {llm.config.kv_cache_torch_dtype}, {blocks} blocks ({blocks * llm.config.block_size} tokens)",
+          flush=True)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:
