@@ -42,6 +42,7 @@ def dot_operand(x, FP8: tl.constexpr):
     """x as tl.dot takes it beside the keys and values of its cache: with an FP8 cache, 16-bit floats become
     float16 (e4m3 converts to float16 exactly, two values per instruction; to bfloat16 it takes a detour
     through float32), float32 stays."""
-    if FP8 and x.dtype != tl.float32:
-        return x.to(tl.float16)
+    if FP8:
+        if x.dtype != tl.float32:
+            x = x.to(tl.float16)
     return x

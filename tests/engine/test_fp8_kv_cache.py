@@ -167,7 +167,7 @@ def test_calibrated_scales(tiny_model):
 
 
 def test_pool_holds_twice_the_tokens_of_a_16_bit_cache(tiny_llama):
-    budget = dict(dtype="bfloat16", cpu_kv_cache_gb=2**-10)  # 1 MiB: less than max_num_seqs requests need
+    budget = {"dtype": "bfloat16", "cpu_kv_cache_gb": 2**-10}  # 1 MiB: less than max_num_seqs requests need
     blocks = LLM(tiny_llama.path, **budget).core.runner.num_blocks
     assert LLM(tiny_llama.path, kv_cache_dtype="fp8", **budget).core.runner.num_blocks == 2 * blocks
 

@@ -14,7 +14,12 @@ from kernel_testing import (
 
 import kernels
 from kernels import reference
-from kernels.triton_attention import DecodeTiles, decode_attention, paged_attention, qkv_decode_attention
+from kernels.triton_attention import (
+    DecodeTiles,
+    decode_attention,
+    paged_attention,
+    qkv_decode_attention,
+)
 from kernels.triton_prologue import qkv_prologue
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
