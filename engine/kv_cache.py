@@ -8,14 +8,15 @@ parallelism every rank sizes its own pool and all take the smallest. The pool is
 (kv_cache_dtype fp8, e4m3: one byte an element) holds twice the tokens of a 16-bit one.
 
 An FP8 cache stores each key and value divided by its layer's scale for keys or values (kernels/reference.py's
-quantize_kv), one per KV head of the rank: the checkpoint's when it ships them (models/kv_scales.py), else
-calibrated at start-up. Calibration runs one prefill of CALIBRATION_TOKENS fixed token ids through a temporary
+quantize_kv; the kernels take one per KV head of the rank, so a checkpoint's per-head scales serve too): the
+checkpoint's when it ships them (models/kv_scales.py), else calibrated at start-up. Calibration runs one prefill of CALIBRATION_TOKENS fixed token ids through a temporary
 cache in the model's dtype and takes each layer's largest |k| and |v| (over its KV heads and the tensor-parallel
 ranks); the scale maps KV_SCALE_MARGIN times that to e4m3's largest value, 448, rounded up to a power of two
-(exact to divide by and to multiply back). e4m3 has 3 mantissa bits from 2^-6 to 448 times its scale, subnormals
-below: such a scale keeps values down to 1/3,500 of the calibrated peak or less at full precision and leaves
-room for values four times above it or more, where a scale of 1 (vLLM's default) would store a layer of small values
-(|v| < 2^-6) in subnormals. bench/fp8_kv_accuracy.py measures the choices.
+(exact to divide by and to multiply back). e4m3 keeps 3 mantissa bits from 2^-6 to 448 times the scale, with
+subnormals below: such a scale leaves room for values 4 to 8 times the calibrated peak and full precision down to
+1/3,500 of it or further, where a scale of 1 (vLLM's default) stores a layer of small values (|v| < 2^-6) in
+subnormals. Per-layer scales rather than per-KV-head ones: the finer ones measured no better
+(bench/fp8_kv_accuracy.py compares the choices; bench/RESULTS.md has what it measured).
 """
 import numpy as np
 import torch
