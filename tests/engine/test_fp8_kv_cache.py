@@ -41,7 +41,7 @@ def fp8_reference(hf_model, k_scales, v_scales):
     model = copy.deepcopy(hf_model)
     model.set_attn_implementation("e4m3_kv_reference")
     for layer, k_scale, v_scale in zip(model.model.layers, k_scales, v_scales):
-        layer.self_attn.e4m3_scales = (k_scale.cpu(), v_scale.cpu())
+        layer.self_attn.e4m3_scales = (k_scale, v_scale)
     return model
 
 
@@ -53,9 +53,10 @@ def reference_greedy(model, prompt, max_new_tokens=NEW):
 
 
 def engine_scales(llm):
+    """The engine's key and value scales [num_layers, n_kv], on the CPU."""
     layers = llm.core.runner.model.model.layers
-    return (torch.stack([layer.self_attn.k_scale for layer in layers]),
-            torch.stack([layer.self_attn.v_scale for layer in layers]))
+    return (torch.stack([layer.self_attn.k_scale for layer in layers]).cpu(),
+            torch.stack([layer.self_attn.v_scale for layer in layers]).cpu())
 
 
 def generated(llm, prompts, params=GREEDY):
@@ -157,7 +158,7 @@ def test_calibrated_scales(tiny_model):
     llm = LLM(tiny_model.path, dtype="float32", kv_cache_dtype="fp8")
     model = llm.core.runner.model
     k_scales, v_scales = engine_scales(llm)
-    k_amax, v_amax = kv_amax(model, 16, min(CALIBRATION_TOKENS, llm.core.runner.max_model_len))
+    k_amax, v_amax = (amax.cpu() for amax in kv_amax(model, 16, min(CALIBRATION_TOKENS, llm.core.runner.max_model_len)))
     assert all(layer.self_attn.k_cache is None for layer in model.model.layers)
     for scales, amax in ((k_scales, k_amax), (v_scales, v_amax)):
         assert scales.dtype == torch.float32 and (scales == scales[:, :1]).all()
@@ -167,7 +168,7 @@ def test_calibrated_scales(tiny_model):
 
 
 def test_pool_holds_twice_the_tokens_of_a_16_bit_cache(tiny_llama):
-    budget = {"dtype": "bfloat16", "cpu_kv_cache_gb": 2**-10}  # 1 MiB: less than max_num_seqs requests need
+    budget = {"device": "cpu", "dtype": "bfloat16", "cpu_kv_cache_gb": 2**-10}  # 1 MiB: binds before max_num_seqs
     blocks = LLM(tiny_llama.path, **budget).core.runner.num_blocks
     assert LLM(tiny_llama.path, kv_cache_dtype="fp8", **budget).core.runner.num_blocks == 2 * blocks
 
