@@ -9,14 +9,14 @@ parallelism every rank sizes its own pool and all take the smallest. The pool is
 
 An FP8 cache stores each key and value divided by its layer's scale for keys or values (kernels/reference.py's
 quantize_kv; the kernels take one per KV head of the rank, so a checkpoint's per-head scales serve too): the
-checkpoint's when it ships them (models/kv_scales.py), else calibrated at start-up. Calibration runs one prefill of CALIBRATION_TOKENS fixed token ids through a temporary
-cache in the model's dtype and takes each layer's largest |k| and |v| (over its KV heads and the tensor-parallel
-ranks); the scale maps KV_SCALE_MARGIN times that to e4m3's largest value, 448, rounded up to a power of two
-(exact to divide by and to multiply back). e4m3 keeps 3 mantissa bits from 2^-6 to 448 times the scale, with
-subnormals below: such a scale leaves room for values 4 to 8 times the calibrated peak and full precision down to
-1/3,500 of it or further, where a scale of 1 (vLLM's default) stores a layer of small values (|v| < 2^-6) in
-subnormals. Per-layer scales rather than per-KV-head ones: the finer ones measured no better
-(bench/fp8_kv_accuracy.py compares the choices; bench/RESULTS.md has what it measured).
+checkpoint's when it ships them (models/kv_scales.py), else calibrated at start-up. Calibration runs one prefill of
+CALIBRATION_TOKENS fixed token ids through a temporary cache in the model's dtype and takes each layer's largest
+|k| and |v| (over its KV heads and the tensor-parallel ranks); the scale maps KV_SCALE_MARGIN times that to e4m3's
+largest value, 448, rounded up to a power of two (exact to divide by and to multiply back). e4m3 keeps 3 mantissa
+bits from 2^-6 to 448 times the scale, with subnormals below: such a scale leaves room for values 4 to 8 times the
+calibrated peak and full precision down to 1/3,500 of it or further, where a scale of 1 (vLLM's default) stores a
+layer of small values (|v| < 2^-6) in subnormals. Per-layer scales rather than per-KV-head ones: the finer ones
+measured no better (bench/fp8_kv_accuracy.py compares the choices; bench/RESULTS.md has what it measured).
 """
 import numpy as np
 import torch
