@@ -18,6 +18,7 @@ import time
 from random import randint, seed
 
 import torch
+from fp8_attention_sweep import use_decode_tiles
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
@@ -106,7 +107,8 @@ def time_per_output_token(core, batch: int, prompt_len: int, steps: int, **featu
 def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], list[tuple]]:
     """(metric, shape, ms) rows for the model at path, and (batch, feature, plain ms, with ms) for the features
     asked for, on an engine of its own (freed before returning)."""
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size, **settings)
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype, **settings)
     core = llm.core
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
@@ -145,7 +147,12 @@ def main():
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy, on an engine of its own")
     ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
     args = ap.parse_args()
+    if args.decode_tiles:
+        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     models = [("as saved", path, {})]

@@ -7,7 +7,8 @@ A sliding-window model with a prompt longer than its window checks the window's 
 the blocks freed behind the window are never read:
     python3 bench/logits_check.py --model mistral-7b --layers 4 --sliding-window 512 --prompt-len 1500
 Gemma-3-1B's local layers have a window of 512: --model gemma3-1b --prompt-len 1000. --fp8: the engine serves
-the model's block-wise FP8 copy (bench/random_model.py), transformers the bf16 weights it was made from."""
+the model's block-wise FP8 copy (bench/random_model.py), transformers the bf16 weights it was made from.
+--kv-cache-dtype fp8 runs the engine with an FP8 KV cache (transformers keeps its bf16 / fp32 one)."""
 import argparse
 from random import randint, seed
 
@@ -70,9 +71,12 @@ def main():
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--layers", type=int, help="num_hidden_layers of the random model (default: its config's)")
     ap.add_argument("--sliding-window", type=int, help="sliding_window of the random model (default: its config's)")
-    ap.add_argument("--margin", type=float, default=MARGIN, help="top-2 gap (fp32 logits) of a decided position")
+    ap.add_argument("--margin", type=float, default=MARGIN,
+                    help="top-2 gap (fp32 logits) of a decided position (an FP8 KV cache's rounding moves log-probs "
+                         "more than bf16's)")
     ap.add_argument("--fp8", action="store_true", help="the engine serves the model's FP8 copy")
     ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = ap.parse_args()
     seed(0)
     overrides = {key: value for key, value in [("num_hidden_layers", args.layers),
@@ -90,9 +94,10 @@ def main():
     rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
     for eager in (False, True):
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
-                  max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm)
+                  max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype)
         window = llm.core.block_manager.window
-        name = ("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
+        name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
+                + (", fp8 KV" if args.kv_cache_dtype == "fp8" else ""))
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
         rows.append((f"{label} ({name}, chunks of 128) vs bf16", *compare(ours, ref, ref32, margin)))
         rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))

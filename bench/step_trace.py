@@ -84,4 +84,4 @@ def sort_key(kind: str):
 def kv_bytes_per_token(runner) -> int:
     """Keys and values of one token in every layer."""
     shape = runner.model.kv_cache_shape(1, runner.block_size)
-    return 2 * math.prod(shape) // runner.block_size * runner.dtype.itemsize
+    return 2 * math.prod(shape) // runner.block_size * runner.config.kv_cache_torch_dtype.itemsize

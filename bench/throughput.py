@@ -7,6 +7,7 @@ import time
 from random import randint, seed
 
 import torch
+from fp8_attention_sweep import use_decode_tiles
 
 from engine import LLM, SamplingParams
 from random_model import make_fp8_copy, make_random_model
@@ -34,7 +35,12 @@ def main():
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy")
     ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
     args = ap.parse_args()
+    if args.decode_tiles:
+        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
     models = [("as saved", path, {})]
@@ -47,7 +53,7 @@ def main():
 def run(path: str, weights: str, args, **settings) -> None:
     """Prints each repeat's throughput for the model at path, on an engine of its own (freed after)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap, **settings)
+              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, **settings)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:

@@ -8,6 +8,7 @@ import torch
 from models.fp8 import FP8_GEMMS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the model's dtype
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -35,6 +36,7 @@ class EngineConfig:
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
     fp8_gemm: str = "triton"            # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
+    kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -49,6 +51,7 @@ class EngineConfig:
         _check("cpu_kv_cache_gb", isinstance(self.cpu_kv_cache_gb, (int, float)) and self.cpu_kv_cache_gb > 0,
                "a number > 0")
         _check("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        _check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")
         _check("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
@@ -88,6 +91,10 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
 
 ENV_NAMES = {
     "max_model_len": "HFENDPOINT_MAX_MODEL_LEN",
@@ -105,6 +112,7 @@ ENV_NAMES = {
     "overlap_steps": "HFENDPOINT_OVERLAP_STEPS",
     "cache_dir": "HFENDPOINT_CACHE_DIR",
     "fp8_gemm": "HFENDPOINT_FP8_GEMM",
+    "kv_cache_dtype": "HFENDPOINT_KV_CACHE_DTYPE",
 }
 
 

@@ -71,7 +71,7 @@ class ModelRunner:
         self.num_blocks = 0
         if not self.can_generate:
             return
-        self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len)
+        self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len, loaded.model_dir)
         self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)  # one request fits
         self.buffers = StepBuffers(config, self.max_model_len, self.device)
         self.token_masks: TokenMasks | None = None  # made for the first step with a constrained request

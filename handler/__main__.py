@@ -111,9 +111,11 @@ def load(name: str, path: str, config):
         return None
     finally:
         done.set()
-    stats = worker.stats()
+    blocks = worker.stats()["num_total_blocks"]
+    kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
+    kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-             f"max_model_len {worker.max_model_len}, {stats['num_total_blocks']} KV blocks")
+             f"max_model_len {worker.max_model_len}{kv_cache}")
     return worker, tokenizer
 
 

@@ -1,6 +1,10 @@
 """The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA flash-attn
 for attention when it is installed (and the block size suits it), else our Triton kernels.
 
+A KV cache holds the model's dtype or FP8 (torch.float8_e4m3fn, e4m3): an FP8 cache comes with one float32 scale
+per KV head for its keys (k_scale [n_kv]) and one for its values (v_scale): the prologue stores x / scale,
+attention reads the cached value times its scale (kernels/reference.py's quantize_kv says how it rounds).
+
 The backend for a device type is chosen once and cached; Triton and flash-attn are imported only when a
 CUDA tensor first arrives, so the CPU path never imports them. Calls read `tensor.is_cuda` rather than
 `tensor.device.type` (which builds a device object per call): every launch on the eager prefill path pays it.
@@ -31,9 +35,11 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "select_experts",
     "fused_moe",
 )
-__all__ = ["AttentionMetadata", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "qkv_paged_attention", "dequantize_fp8"]
+__all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "check_kv_scales",
+           "qkv_paged_attention", "dequantize_fp8"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
+FP8_KV_CACHE_DTYPE = torch.float8_e4m3fn
 
 
 @functools.cache
@@ -81,16 +87,16 @@ def _backend_of(tensor: Tensor) -> SimpleNamespace:
 
 
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
-    """flash-attn for attention without sinks (it has none) on caches whose blocks it can read; our Triton
-    kernels otherwise. A window maps to window_size=(window - 1, 0): the query itself and window - 1 keys
-    before it. flash-attn reads keys in tiles that divide its 256-token blocks, so it never reads a block
-    wholly before a query's window (a freed one)."""
+    """flash-attn for attention without sinks (it has none) on caches whose blocks and dtype it can read (not
+    FP8: flash-attn 2 has no scaled e4m3 cache); our Triton kernels otherwise. A window maps to window_size=
+    (window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads keys in tiles that divide
+    its 256-token blocks, so it never reads a block wholly before a query's window (a freed one)."""
     triton_paged_attention, triton_varlen_attention = backend.paged_attention, backend.varlen_attention
 
     def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-                        window: int, sinks: Tensor | None) -> Tensor:
-        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None:
-            return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+                        window: int, sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
+        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None or k_cache.dtype == FP8_KV_CACHE_DTYPE:
+            return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
@@ -126,15 +132,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-                    window: int = 0, sinks: Tensor | None = None) -> Tensor:
-    """Causal attention of q [T, n_q, D] over the paged cache as meta describes -> [T, n_q, D].
+                    window: int = 0, sinks: Tensor | None = None, k_scale: Tensor | None = None,
+                    v_scale: Tensor | None = None) -> Tensor:
+    """Causal attention of q [T, n_q, D] over the paged cache as meta describes -> [T, n_q, D]; an FP8 cache
+    with its k_scale and v_scale (see the module docstring).
 
     window > 0: a query at position q sees the keys at q - window < p <= q only (transformers' sliding_window);
     the blocks before its window are never read, so they may have been freed. sinks [n_q]: one logit per
     query head that joins the softmax's denominator only (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink +
     sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
     _check_window_and_sinks(window, sinks, q.shape[1], causal=True)
-    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
 def varlen_attention(
@@ -155,6 +164,24 @@ def _check_window_and_sinks(window: int, sinks: Tensor | None, num_q_heads: int,
     if sinks is not None and sinks.shape != (num_q_heads,):
         raise ValueError(f"sinks must hold one logit per query head: shape ({num_q_heads},), got "
                          f"{tuple(sinks.shape)}")
+
+
+def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> None:
+    """Both caches of one dtype; an FP8 pair with k_scale and v_scale float32 [n_kv] beside it, another without."""
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != FP8_KV_CACHE_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale belong to an FP8 (float8_e4m3fn) KV cache, not a {k_cache.dtype} "
+                             "one")
+        return
+    num_kv_heads = k_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (scale is None or scale.shape != (num_kv_heads,) or scale.dtype != torch.float32
+                or scale.is_cuda != k_cache.is_cuda):
+            got = "none" if scale is None else f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+            raise ValueError(f"an FP8 KV cache needs {name}: float32 ({num_kv_heads},), one scale per KV head, on "
+                             f"the cache's device; got {got}")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -185,20 +212,23 @@ def qkv_prologue(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, eps: float = 1e-6,
     k_cache: Tensor | None = None, v_cache: Tensor | None = None, slot_mapping: Tensor | None = None,
-    return_kv: bool = True,
+    return_kv: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Everything between the qkv projection and attention, in one launch on CUDA.
 
     qkv [T, (n_q + 2 n_kv) D] -> q [T, n_q, D]: per-head RMSNorm of q and k when their weights are given
     (Qwen3), then NeoX rotary. With k_cache, v_cache and slot_mapping, k and v go straight into the paged
-    cache (slot -1: skipped). return_kv=True also returns k [T, n_kv, D] and v (a view of qkv) for attention
-    without a cache; else (q, None, None).
+    cache (slot -1: skipped; an FP8 cache stores them quantized with k_scale and v_scale). return_kv=True also
+    returns k [T, n_kv, D] and v (a view of qkv), unquantized, for attention without a cache; else (q, None,
+    None).
     """
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("qkv_prologue needs both q_norm_weight and k_norm_weight, or neither")
+    if k_cache is not None:
+        check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     return _backend_of(qkv).qkv_prologue(
         qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
-        k_cache, v_cache, slot_mapping, return_kv,
+        k_cache, v_cache, slot_mapping, return_kv, k_scale, v_scale,
     )
 
 
@@ -206,18 +236,22 @@ def qkv_paged_attention(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
     meta: AttentionMetadata, scale: float, window: int = 0, sinks: Tensor | None = None,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> Tensor:
-    """qkv_prologue, storing the step's keys and values in the paged cache, then paged_attention (with its
-    window and sinks): q [T, n_q, D] attended. A decode step on CUDA without flash-attn runs both in the decode
-    attention kernel (one launch less per layer; Triton's qkv_decode_attention)."""
+    """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
+    paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA without
+    flash-attn runs both in the decode attention kernel (one launch less per layer; Triton's
+    qkv_decode_attention)."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
     if meta.is_decode and backend.fused_decode is not None:
+        check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
-                                    k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+                                    k_cache, v_cache, meta, scale, window=window, sinks=sinks, k_scale=k_scale,
+                                    v_scale=v_scale)
     q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
-                           eps, k_cache, v_cache, meta.slot_mapping, return_kv=False)
-    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+                           eps, k_cache, v_cache, meta.slot_mapping, False, k_scale, v_scale)
+    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:

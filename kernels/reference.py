@@ -1,6 +1,8 @@
 """Torch implementations of the kernels: the CPU path, and the ground truth the Triton kernels are tested against.
 
-Attention and norms compute in float32 and cast back to the input dtype.
+Attention and norms compute in float32 and cast back to the input dtype. An FP8 KV cache (torch.float8_e4m3fn)
+holds each key and value divided by its KV head's scale (k_scale, v_scale: float32 [n_kv]); attention reads
+them multiplied back.
 """
 
 import torch
@@ -13,13 +15,32 @@ from kernels.attention_metadata import AttentionMetadata
 # them to infinities (1e-40 is a float32 subnormal), and a softmax of infinities is NaN, not the argmax.
 GREEDY_TEMPERATURE = 1e-5
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
 
-def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write k, v [T, n_kv, D] into the caches [num_blocks, block_size, n_kv, D] at their slots (-1: skip)."""
+
+def store_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+    """Write k, v [T, n_kv, D] into the caches [num_blocks, block_size, n_kv, D] at their slots (-1: skip); an
+    FP8 cache gets them quantized with k_scale and v_scale (see quantize_kv)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k, v = k[keep], v[keep]
+    if k_cache.dtype == FP8:
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+
+
+def quantize_kv(x: Tensor, scale: Tensor) -> Tensor:
+    """x [T, n_kv, D] as an FP8 cache stores it: divided by its head's scale [n_kv] in float32, saturated to
+    +-448 and rounded to the nearest e4m3 value (ties to even); kernels/triton_fp8.py encodes the same bits."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _dequantized(cached: Tensor, scale: Tensor | None) -> Tensor:
+    """Keys or values [..., n_kv, D] read from a cache: an FP8 cache's multiplied by their heads' scales."""
+    return cached.float() * scale[:, None] if cached.dtype == FP8 else cached
 
 
 def _visible(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
@@ -80,9 +101,11 @@ def _first_blocks(first_query_pos: Tensor, window: int, block_size: int) -> Tens
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-                    window: int = 0, sinks: Tensor | None = None) -> Tensor:
+                    window: int = 0, sinks: Tensor | None = None, k_scale: Tensor | None = None,
+                    v_scale: Tensor | None = None) -> Tensor:
     """Causal attention of the step's queries [T, n_q, D] over each sequence's cached keys and values; with a
-    window, a query at position q sees keys q - window < p <= q only (blocks before them are never read).
+    window, a query at position q sees keys q - window < p <= q only (blocks before them are never read). An
+    FP8 cache's keys and values are read times k_scale and v_scale.
 
     Decode tokens (one query per sequence) are batched together, padding keys to the longest context;
     prefill chunks run one sequence at a time so no [T, T] score matrix spans unrelated sequences.
@@ -102,6 +125,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         tables = meta.block_tables[rows]
         k, k_pos = _gather_blocks(k_cache, tables, first, q_pos + 1, num_blocks)
         v, _ = _gather_blocks(v_cache, tables, first, q_pos + 1, num_blocks)
+        k, v = _dequantized(k, k_scale), _dequantized(v, v_scale)
         mask = _visible(q_pos[:, None], k_pos, window)
         out[tokens] = _attend(q[tokens, None], k, v, scale, mask, sinks).squeeze(1)
     for b, (start, n, length) in enumerate(zip(starts, q_lens, seq_lens)):
@@ -112,6 +136,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             num_blocks = -(-length // block_size) - int(first)
             k, k_pos = _gather_blocks(k_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
             v, _ = _gather_blocks(v_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
+            k, v = _dequantized(k, k_scale), _dequantized(v, v_scale)
             mask = _visible(q_pos, k_pos[0], window)[None]
             out[start : start + n] = _attend(q[None, start : start + n], k, v, scale, mask, sinks)[0]
     return out
@@ -207,7 +232,6 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_GROUP_K = 128  # activation columns sharing a scale in the Triton FP8 GEMM
 
 
@@ -229,7 +253,7 @@ def quantize_fp8(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     padded = F.pad(x.float(), (0, -k % cols, 0, -n % rows))
     blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    values = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:n, :k]
+    values = (blocks / scales[:, None, :, None]).to(FP8).view(padded.shape)[:n, :k]
     return values.contiguous(), scales
 
 
@@ -250,10 +274,11 @@ def qkv_prologue(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, eps: float = 1e-6,
     k_cache: Tensor | None = None, v_cache: Tensor | None = None, slot_mapping: Tensor | None = None,
-    return_kv: bool = True,
+    return_kv: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The attention prologue as its separate steps: split qkv, per-head RMSNorm of q and k (when weights are
-    given), rotary, and the KV-cache store (when a cache and slot_mapping are given)."""
+    given), rotary, and the KV-cache store (when a cache and slot_mapping are given; quantized with k_scale and
+    v_scale into an FP8 cache)."""
     num_tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -264,7 +289,7 @@ def qkv_prologue(
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
     if k_cache is not None and slot_mapping is not None:
-        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return (q, k, v) if return_kv else (q, None, None)
 
 

@@ -27,8 +27,16 @@ as the diagonal. No key before a query's window is read, so the engine may free 
 logit per query head, HAS_SINKS) join each softmax's denominator once: at the end of a program whose keys are
 all of the query's, or in the merge of a decode's splits.
 
+An FP8 cache (torch.float8_e4m3fn, FP8) holds keys and values divided by their KV head's scale: a program folds
+its head's k_scale into the softmax scale and multiplies its output by v_scale, and converts each tile to float16
+in registers for tl.dot (with float32 queries, to float32); the fused decode prologue stores the new key and
+value quantized (kernels/triton_fp8.py). Decode's tiles may differ by cache dtype (DecodeTiles): keys of one
+byte fill a tile of the same bytes with twice the keys.
+
 Grids and scratch shapes come from host-side values only (no .item()), so every path can be graph-captured.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,11 +44,34 @@ import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
+from kernels.triton_fp8 import dot_operand, e4m3_quantized
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
 MIN_SPLITS = 2  # even on a full GPU: see choose_num_splits
 MAX_SPLITS = 32
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How decode programs walk their keys: block_n keys per tile, num_warps and num_stages of the launch, and
+    min_split_keys, the fewest keys that choose_num_splits gives a split (bench/fp8_attention_sweep.py tries
+    others)."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_split_keys: int = MIN_TOKENS_PER_SPLIT
+
+
+# 64 keys of 2 bytes, 4 warps, 2 stages: the fastest at large batches of varied context lengths. An FP8 cache
+# takes tiles of the same bytes: twice the keys.
+DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
+FP8_DECODE_TILES = DecodeTiles(block_n=128, num_warps=4, num_stages=2)
+
+
+def decode_tiles(cache_dtype: torch.dtype) -> DecodeTiles:
+    return FP8_DECODE_TILES if cache_dtype == FP8 else DECODE_TILES
 
 
 @triton.jit
@@ -65,6 +96,7 @@ def _attend(
     MASK False: every key in range is visible to every row and hi - lo is a multiple of BLOCK_N.
     MASK True: keys >= hi are masked, with CAUSAL so are keys past each row's position, and with WINDOW
     those at or before row_pos - window; a row may then see no key of a tile (its maximum stays -inf).
+    Keys and values are converted to q's dtype (a no-op unless the cache is FP8: see dot_operand).
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -76,7 +108,7 @@ def _attend(
         else:
             rows = _key_rows(table_ptr, key_base, keys, None, BLOCK_SIZE, PAGED)
             k = tl.load(k_ptr + rows[:, None] * stride_kt + dims[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if MASK:
             visible = key_mask[None, :]
             if CAUSAL:
@@ -95,7 +127,7 @@ def _attend(
             v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :], mask=key_mask[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -135,14 +167,14 @@ def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NO
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, arrivals_ptr, qk_scale, num_splits, window, sinks_ptr,
+    part_lse_ptr, arrivals_ptr, qk_scale, num_splits, window, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
     cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr,
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -187,11 +219,15 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + seq.to(tl.int64) * stride_qt
     if PROLOGUE:
-        q = _rotated_query_storing_new_key(q_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, cos_sin_ptr,
-                                           stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len,
-                                           hi, kv_head, num_kv_heads, stride_slot, HAS_NORM, NUM_Q_HEADS, HEAD_DIM)
+        q = _rotated_query_storing_new_key(q_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                           v_scale_ptr, cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps,
+                                           slot_mapping_ptr, seq, seq_len, hi, kv_head, num_kv_heads, stride_slot,
+                                           HAS_NORM, NUM_Q_HEADS, HEAD_DIM, FP8)
     else:
         q = tl.load(q_row + heads[:, None] * stride_qh + dims[None, :], mask=row_mask[:, None], other=0.0)
+    q = dot_operand(q, FP8)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
@@ -205,6 +241,8 @@ def _decode_kernel(
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
                             full_hi, hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False, False,
                             DOT_PRECISION)
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if span <= chunk:  # one split holds the whole span: the output is final
         out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
         tl.store(out_group + rows[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -222,14 +260,15 @@ def _decode_kernel(
 
 
 @triton.jit
-def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, cos_sin_ptr, stride_cs,
-                                   q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len, hi, kv_head,
-                                   num_kv_heads, stride_slot, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
-                                   HEAD_DIM: tl.constexpr):
+def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                   cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len,
+                                   hi, kv_head, num_kv_heads, stride_slot, HAS_NORM: tl.constexpr,
+                                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     """The prologue inside a decode program, reading the fused qkv row of its sequence (at position seq_len - 1):
     returns the group's queries normed and rotated; the program whose keys end at seq_len also norms and
-    rotates the new key, stores it and the new value in the cache slot, and waits for the stores before its
-    reads of the cache (a block barrier makes them visible to the whole program)."""
+    rotates the new key, stores it and the new value in the cache slot (quantized with its head's scales into
+    an FP8 cache), and waits for the stores before its reads of the cache (a block barrier makes them visible
+    to the whole program)."""
     half = dims % (HEAD_DIM // 2)
     cos_sin = cos_sin_ptr + (seq_len - 1).to(tl.int64) * stride_cs
     cos = tl.load(cos_sin + half)
@@ -241,6 +280,9 @@ def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, 
         k = _normed_rotated(key_row, dims[None, :] < HEAD_DIM, dims, k_norm_ptr, cos, signed_sin, eps, HAS_NORM,
                             HEAD_DIM)
         v = tl.load(qkv_row + (NUM_Q_HEADS + num_kv_heads + kv_head) * HEAD_DIM + dims[None, :])
+        if FP8:
+            k = e4m3_quantized(k, tl.load(k_scale_ptr + kv_head))
+            v = e4m3_quantized(v, tl.load(v_scale_ptr + kv_head))
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if slot >= 0:
             tl.store(k_cache_ptr + slot * stride_slot + kv_head * HEAD_DIM + dims[None, :], k)
@@ -281,11 +323,12 @@ def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row,
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for any batch: no compiles mid-serving
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_seqs, num_kv_heads,
-    window, sinks_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_bt,
+    window, sinks_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS_BLOCK: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -321,6 +364,9 @@ def _prefill_kernel(
     q_rows = (q_start + tokens).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
+    q = dot_operand(q, FP8)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     # Keys [lo, full_lo): visible to some rows (the window's lower edge), [full_lo, full_hi): to every row,
     # in whole tiles, [full_hi, hi): to some rows (the causal diagonal). Keys before lo are never read.
@@ -352,6 +398,8 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
                             full_hi, hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
                             CAUSAL, WINDOW, DOT_PRECISION)
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -362,15 +410,15 @@ def _occupancy(device: torch.device) -> int:
     return 2 * num_sms(device)
 
 
-def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.device,
+                      min_split_keys: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
-    at least MIN_SPLITS, at least MIN_TOKENS_PER_SPLIT keys per split, a power of two (few compiled
-    variants), at most MAX_SPLITS. On a full GPU the two splits cost a little at equal context lengths (which
-    they leave whole) and gain more at spread lengths, where the longest sequences would otherwise run on
-    after the rest (bench/decode_balance.py measures both)."""
+    at least MIN_SPLITS, at least min_split_keys keys per split, a power of two (few compiled variants), at
+    most MAX_SPLITS. On a full GPU the two splits cost a little at equal context lengths (which they leave
+    whole) and gain more at spread lengths, where the longest sequences would otherwise run on after the rest
+    (bench/decode_balance.py measures both)."""
     target = _occupancy(device)
-    wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // MIN_TOKENS_PER_SPLIT,
-                 MAX_SPLITS)
+    wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // min_split_keys, MAX_SPLITS)
     return 1 if wanted <= 1 else 1 << (wanted.bit_length() - 1)
 
 
@@ -386,8 +434,10 @@ def _check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, block_size, n_kv, D] of one shape")
+    if (not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape
+            or k_cache.dtype != v_cache.dtype):
+        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, block_size, n_kv, D] of one shape and "
+                         "dtype")
     block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton attention kernels need a power-of-two block_size, got {block_size}")
@@ -398,17 +448,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None, window=0, sinks=None):
-    """paged_attention for a batch of one query token per sequence; num_splits None picks it by occupancy."""
+def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None, window=0, sinks=None, k_scale=None,
+                     v_scale=None, tiles=None):
+    """paged_attention for a batch of one query token per sequence; num_splits None picks it by occupancy, tiles
+    None by the cache's dtype (decode_tiles)."""
     num_tokens, num_q_heads, head_dim = q.shape
     return _decode(q, num_q_heads, head_dim, q.stride(0), q.stride(1), k_cache, v_cache, meta, scale, num_splits,
-                   window, sinks)
+                   window, sinks, (k_scale, v_scale), tiles)
 
 
 def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, k_cache,
-                         v_cache, meta, scale, num_splits=None, window=0, sinks=None):
-    """qkv_prologue (storing the new keys and values in the cache) and decode_attention in one launch, from the
-    fused projection qkv [T, (n_q + 2 n_kv) D] at positions meta.seq_lens - 1: one launch less per layer."""
+                         v_cache, meta, scale, num_splits=None, window=0, sinks=None, k_scale=None, v_scale=None,
+                         tiles=None):
+    """qkv_prologue (storing the new keys and values in the cache, quantized into an FP8 one) and
+    decode_attention in one launch, from the fused projection qkv [T, (n_q + 2 n_kv) D] at positions
+    meta.seq_lens - 1: one launch less per layer."""
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qkv_decode_attention needs qkv and a cos_sin_cache of width {head_dim} contiguous in "
@@ -418,14 +472,15 @@ def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_wei
                          f"{head_dim}")
     prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping)
     return _decode(qkv, num_heads, head_dim, qkv.stride(0), head_dim, k_cache, v_cache, meta, scale, num_splits,
-                   window, sinks, prologue)
+                   window, sinks, (k_scale, v_scale), tiles, prologue)
 
 
 def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits, window, sinks,
-            prologue=None):
+            kv_scales, tiles, prologue=None):
     """The decode launch: q heads at q + token * stride_qt + head * stride_qh; with prologue (cos_sin_cache,
     q and k norm weights or None, eps, slot_mapping), q is the fused qkv projection (see qkv_decode_attention).
-    With a window each sequence's programs read only its last `window` keys, split among them."""
+    With a window each sequence's programs read only its last `window` keys, split among them. kv_scales:
+    (k_scale, v_scale) of an FP8 cache, (None, None) for another."""
     num_seqs = meta.seq_lens.shape[0]
     num_tokens = q.shape[0]
     if num_tokens != num_seqs:
@@ -434,9 +489,10 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     block_size = _check_cache(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     group = _check_gqa(num_q_heads, num_kv_heads)
+    tiles = tiles or decode_tiles(k_cache.dtype)
     if num_splits is None:
         longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device)
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device, tiles.min_split_keys)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -449,27 +505,28 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping = prologue or (out, None, None, 0.0, out)
     block_tables = meta.block_tables
     ordered = meta.seq_order is not None
+    fp8 = k_cache.dtype == FP8
+    k_scale, v_scale = kv_scales if fp8 else (out, out)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, meta.seq_lens, meta.seq_order if ordered else meta.seq_lens, out,
         part_out, part_lse, arrivals,
-        scale * LOG2E, num_splits, window, out if sinks is None else sinks,
+        scale * LOG2E, num_splits, window, out if sinks is None else sinks, k_scale, v_scale,
         stride_qt, stride_qh, out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
         cos_sin_cache, cos_sin_cache.stride(0), out if q_norm_weight is None else q_norm_weight,
         out if k_norm_weight is None else k_norm_weight, eps, slot_mapping,
         GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=64, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
-        WINDOW=window > 0, HAS_SINKS=sinks is not None,
-        num_warps=4, num_stages=2,  # the fastest at large batches of varied context lengths
-        **launch_options(q),
+        WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
     )
     return out
 
 
 def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal, window, sinks,
-                    stride_kt, stride_kh, stride_vt, stride_vh, block_size):
+                    stride_kt, stride_kh, stride_vt, stride_vh, block_size, kv_scales=(None, None)):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2] if block_tables is not None else k.shape[1]
     group = _check_gqa(num_q_heads, num_kv_heads)
@@ -482,22 +539,24 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
     tokens_per_tile = block_m // group
     paged = block_tables is not None
     max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs  # each sequence ends at most one tile early
+    fp8 = k.dtype == FP8
+    k_scale, v_scale = kv_scales if fp8 else (out, out)
     # SEQS_BLOCK is at least 256, so batches of up to 256 sequences share one compiled kernel.
     _prefill_kernel[(num_kv_heads * max_tiles,)](
         q, k, v, out, cu_seqlens_q, seq_lens if paged else cu_seqlens_q,
         block_tables if paged else cu_seqlens_q, scale * LOG2E, num_seqs, num_kv_heads,
-        window, out if sinks is None else sinks,
+        window, out if sinks is None else sinks, k_scale, v_scale,
         q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
+        DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), FP8=fp8,
         num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, meta, scale, window=0, sinks=None):
+def prefill_attention(q, k_cache, v_cache, meta, scale, window=0, sinks=None, k_scale=None, v_scale=None):
     """paged_attention for prefill chunks and mixed batches: causal over cached prefix plus own chunk."""
     _check_head_dim(q.shape[2])
     block_size = _check_cache(k_cache, v_cache)
@@ -505,13 +564,15 @@ def prefill_attention(q, k_cache, v_cache, meta, scale, window=0, sinks=None):
     slot_stride, head_stride = k_cache.stride(1), k_cache.stride(2)
     return _prefill_launch(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                            meta.max_seqlen_q, scale, True, window, sinks, slot_stride, head_stride, slot_stride,
-                           head_stride, block_size)
+                           head_stride, block_size, (k_scale, v_scale))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    window: int = 0, sinks: torch.Tensor | None = None):
+                    window: int = 0, sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None):
     """q [T, n_q, D] against the paged cache described by meta (see AttentionMetadata) -> [T, n_q, D]; window
-    and sinks [n_q] as kernels.paged_attention says (no key before a query's window is read).
+    and sinks [n_q] as kernels.paged_attention says (no key before a query's window is read); an FP8 cache
+    with its k_scale and v_scale [n_kv].
 
     The keys and values of this step's tokens must already be in the cache (kernels.qkv_prologue stores them).
     """
@@ -520,8 +581,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1:
         raise ValueError("paged_attention needs q contiguous in head_dim")
     if meta.is_decode:
-        return decode_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
-    return prefill_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+        return decode_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks, k_scale=k_scale,
+                                v_scale=v_scale)
+    return prefill_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,5 +1,5 @@
 """Triton attention prologue: from the fused qkv projection, per-head q/k RMSNorm (Qwen3), NeoX rotary, and
-the KV-cache store, in one launch.
+the KV-cache store (quantized into an FP8 cache: kernels/triton_fp8.py), in one launch.
 
 Separately these are five launches and two copies (the norms need the strided q/k slices contiguous); on a
 prefill, where the host issues every launch, that overhead dominates the layer's GPU time.
@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+from kernels.triton_fp8 import e4m3_quantized
 
 
 @triton.jit
@@ -33,14 +34,16 @@ def _normed_rotated_halves(src, heads, mask, norm_ptr, cos, sin, eps,
 
 
 @triton.jit
-def _store_v(row, slot_mapping_ptr, v_cache_ptr, token, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-             KV_HEADS_BLOCK: tl.constexpr, HALF: tl.constexpr):
+def _store_v(row, slot_mapping_ptr, v_cache_ptr, v_scale_ptr, token, NUM_Q_HEADS: tl.constexpr,
+             NUM_KV_HEADS: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr):
     kv_size: tl.constexpr = NUM_KV_HEADS * 2 * HALF
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, KV_HEADS_BLOCK * 2 * HALF)
         mask = offs < kv_size
         v = tl.load(row + (NUM_Q_HEADS * 2 * HALF + kv_size) + offs, mask=mask)
+        if FP8:
+            v = e4m3_quantized(v, tl.load(v_scale_ptr + offs // (2 * HALF), mask=mask, other=1.0))
         tl.store(v_cache_ptr + slot * kv_size + offs, v, mask=mask)
 
 
@@ -57,9 +60,10 @@ def _rotate_q(row, q_norm_ptr, q_out_ptr, token, cos, sin, eps, NUM_Q_HEADS: tl.
 
 
 @triton.jit
-def _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, slot_mapping_ptr, token, cos, sin, eps,
+def _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, k_scale_ptr, slot_mapping_ptr, token, cos, sin, eps,
               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr,
-              HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, RETURN_K: tl.constexpr):
+              HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, RETURN_K: tl.constexpr,
+              FP8: tl.constexpr):
     kv_size: tl.constexpr = NUM_KV_HEADS * 2 * HALF
     dims = tl.arange(0, HALF)[None, :]
     heads = tl.arange(0, KV_HEADS_BLOCK)[:, None]
@@ -73,6 +77,9 @@ def _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, slot_mapping_ptr, token, 
     if STORE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
+            if FP8:
+                scale = tl.load(k_scale_ptr + heads, mask=mask, other=1.0)
+                y1, y2 = e4m3_quantized(y1, scale), e4m3_quantized(y2, scale)
             cached = k_cache_ptr + slot * kv_size + heads * (2 * HALF) + dims
             tl.store(cached, y1, mask=mask)
             tl.store(cached + HALF, y2, mask=mask)
@@ -81,10 +88,10 @@ def _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, slot_mapping_ptr, token, 
 @triton.jit
 def _prologue_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_mapping_ptr,
-    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, stride_qkv, stride_cs, eps,
+    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_qkv, stride_cs, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
     KV_HEADS_BLOCK: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-    RETURN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    RETURN_K: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, part): part 0 rotates the token's q heads, 1 its k heads, 2 copies its v heads.
     Each part is a function of its own: compiled Triton refuses a runtime branch whose two sides bind one
@@ -95,7 +102,8 @@ def _prologue_kernel(
     part = tl.program_id(1)
     row = qkv_ptr + token * stride_qkv
     if part == 2:
-        _store_v(row, slot_mapping_ptr, v_cache_ptr, token, NUM_Q_HEADS, NUM_KV_HEADS, KV_HEADS_BLOCK, HALF)
+        _store_v(row, slot_mapping_ptr, v_cache_ptr, v_scale_ptr, token, NUM_Q_HEADS, NUM_KV_HEADS, KV_HEADS_BLOCK,
+                 HALF, FP8)
     else:
         pos = tl.load(positions_ptr + token).to(tl.int64)
         dims = tl.arange(0, HALF)[None, :]
@@ -104,13 +112,14 @@ def _prologue_kernel(
         if part == 0:
             _rotate_q(row, q_norm_ptr, q_out_ptr, token, cos, sin, eps, NUM_Q_HEADS, Q_HEADS_BLOCK, HALF, HAS_NORM)
         else:
-            _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, slot_mapping_ptr, token, cos, sin, eps,
-                      NUM_Q_HEADS, NUM_KV_HEADS, KV_HEADS_BLOCK, HALF, HAS_NORM, STORE, RETURN_K)
+            _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, k_scale_ptr, slot_mapping_ptr, token, cos, sin, eps,
+                      NUM_Q_HEADS, NUM_KV_HEADS, KV_HEADS_BLOCK, HALF, HAS_NORM, STORE, RETURN_K, FP8)
 
 
 def qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight=None, k_norm_weight=None,
-                 eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None, return_kv=True):
-    """See kernels.qkv_prologue. qkv [T, (n_q + 2 n_kv) D] must be contiguous in its last dimension."""
+                 eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None, return_kv=True, k_scale=None, v_scale=None):
+    """See kernels.qkv_prologue. qkv [T, (n_q + 2 n_kv) D] must be contiguous in its last dimension; an FP8 cache
+    (torch.float8_e4m3fn) needs k_scale and v_scale (float32 [n_kv])."""
     num_tokens, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     half = head_dim // 2
@@ -129,6 +138,7 @@ def qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_
                          f"{None if v_cache is None else tuple(v_cache.shape)}")
     if store and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("qkv_prologue needs contiguous k_cache and v_cache")
+    fp8 = store and k_cache.dtype == torch.float8_e4m3fn
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device) if return_kv else None
     if num_tokens:
@@ -136,10 +146,11 @@ def qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_
             qkv, positions, cos_sin_cache,
             q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
             slot_mapping if store else positions, q, k if return_kv else q,
-            k_cache if store else q, v_cache if store else q, qkv.stride(0), cos_sin_cache.stride(0), eps,
+            k_cache if store else q, v_cache if store else q, k_scale if fp8 else q, v_scale if fp8 else q,
+            qkv.stride(0), cos_sin_cache.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_BLOCK=triton.next_power_of_2(num_heads),
             KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), HALF=half, HAS_NORM=q_norm_weight is not None,
-            STORE=store, RETURN_K=return_kv, num_warps=4, **launch_options(qkv),
+            STORE=store, RETURN_K=return_kv, FP8=fp8, num_warps=4, **launch_options(qkv),
         )
     if not return_kv:
         return q, None, None

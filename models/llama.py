@@ -125,6 +125,8 @@ class Attention(nn.Module):
         self.rotary_emb = rotary
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.k_scale: Tensor | None = None  # an FP8 cache's float32 scales, one per KV head (set_kv_cache)
+        self.v_scale: Tensor | None = None
 
     def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection (in the
@@ -133,10 +135,12 @@ class Attention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if self.k_cache is not None and meta.block_tables is not None:
             out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
-                                      self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks)
+                                      self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks,
+                                      k_scale=self.k_scale, v_scale=self.v_scale)
         else:
             q, k, v = qkv_prologue(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
-                                   self.k_cache, self.v_cache, meta.slot_mapping)
+                                   self.k_cache, self.v_cache, meta.slot_mapping,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
             out = varlen_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, self.scale, causal=True,
                                    window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
@@ -305,12 +309,16 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def set_kv_cache(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> None:
-        """Attach one [num_blocks, block_size, n_kv, D] K and V cache per layer."""
+    def set_kv_cache(self, k_caches: list[Tensor | None], v_caches: list[Tensor | None],
+                     k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> None:
+        """Attach one [num_blocks, block_size, n_kv, D] K and V cache per layer (None: detach it); an FP8 cache
+        with its scales, float32 [num_layers, n_kv] for the keys and for the values."""
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, k_caches, v_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+            layer.self_attn.k_scale = None if k_scales is None else k_scales[i]
+            layer.self_attn.v_scale = None if v_scales is None else v_scales[i]
 
     def _keep_ignored_unquantized(self, quant: Fp8Format) -> None:
         """Projections the FP8 checkpoint lists as not converted (by their checkpoint names) keep its dtype."""

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from models.kv_scales import ATTENTION_SCALE
 from models.moe import moe_checkpoint_target
 from models.parallel_layers import default_weight_loader
 
@@ -59,9 +60,11 @@ DECODER_REWRITES = (
     (r"^(?!model\.|lm_head\.)", "model."),
     (r"\.weight_scale_inv$", ".weight_scale"),
 )
-# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector, and
-# static FP8 activation scales (our FP8 GEMMs scale activations per token as they go).
-DECODER_SKIPPED = r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector)\.|\.input_scale$"
+# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector, static
+# FP8 activation scales (our FP8 GEMMs scale activations per token as they go), and attention scales (an FP8 KV
+# cache reads those of keys and values itself, models/kv_scales.py).
+DECODER_SKIPPED = (r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector)\.|\.input_scale$|"
+                   + ATTENTION_SCALE.pattern)
 
 
 def decoder_names(model: nn.Module) -> NameMap:

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from kernels.reference import quantize_fp8
 
+MISTRAL_WINDOW = 20  # the tiny Mistral's sliding window: shorter than most test prompts
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
             eos_token_id=None, pad_token_id=None)  # the engine tests' decoders

@@ -6,10 +6,9 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine import kv_cache
-from random_decoders import TINY, Reference, save_random_decoder
+from random_decoders import MISTRAL_WINDOW, TINY, Reference, save_random_decoder
 
 CUDA_TEST_KV_BLOCKS = 1024
-MISTRAL_WINDOW = 20  # shorter than most test prompts
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),

@@ -2,10 +2,10 @@
 with prompts longer than the window (plain, chunked prefill, prefix hits, a preempting pool), and the blocks
 that fall out of a running request's window go back to the pool exactly when no query can read them again."""
 import pytest
-from conftest import MISTRAL_WINDOW
 
 from engine import LLM, SamplingParams
 from engine.block_manager import FREED
+from random_decoders import MISTRAL_WINDOW
 
 BLOCK_SIZE = 8  # the window (20) spans parts of 3 or 4 blocks: most of a long request's blocks are freed
 LENGTHS = [30, 45, 61, 70]
