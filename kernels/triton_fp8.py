@@ -38,6 +38,16 @@ def e4m3_quantized(x, scale):
 
 
 @triton.jit
+def cache_form(x, scale_ptrs, mask, FP8: tl.constexpr):
+    """x as its cache stores it: unchanged in a 16-bit cache; with FP8, quantized with its heads' scales (at
+    scale_ptrs). A function of its own because Triton refuses a variable whose type changes inside the dynamic
+    `if` around the store."""
+    if FP8:
+        x = e4m3_quantized(x, tl.load(scale_ptrs, mask=mask, other=1.0))
+    return x
+
+
+@triton.jit
 def dot_operand(x, FP8: tl.constexpr):
     """x as tl.dot takes it beside the keys and values of its cache: with an FP8 cache, 16-bit floats become
     float16 (e4m3 converts to float16 exactly, two values per instruction; to bfloat16 it takes a detour

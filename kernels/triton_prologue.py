@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
-from kernels.triton_fp8 import e4m3_quantized
+from kernels.triton_fp8 import cache_form
 
 
 @triton.jit
@@ -42,9 +42,8 @@ def _store_v(row, slot_mapping_ptr, v_cache_ptr, v_scale_ptr, token, NUM_Q_HEADS
         offs = tl.arange(0, KV_HEADS_BLOCK * 2 * HALF)
         mask = offs < kv_size
         v = tl.load(row + (NUM_Q_HEADS * 2 * HALF + kv_size) + offs, mask=mask)
-        if FP8:
-            v = e4m3_quantized(v, tl.load(v_scale_ptr + offs // (2 * HALF), mask=mask, other=1.0))
-        tl.store(v_cache_ptr + slot * kv_size + offs, v, mask=mask)
+        tl.store(v_cache_ptr + slot * kv_size + offs, cache_form(v, v_scale_ptr + offs // (2 * HALF), mask, FP8),
+                 mask=mask)
 
 
 @triton.jit
@@ -77,12 +76,9 @@ def _rotate_k(row, k_norm_ptr, k_out_ptr, k_cache_ptr, k_scale_ptr, slot_mapping
     if STORE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
-            if FP8:
-                scale = tl.load(k_scale_ptr + heads, mask=mask, other=1.0)
-                y1, y2 = e4m3_quantized(y1, scale), e4m3_quantized(y2, scale)
             cached = k_cache_ptr + slot * kv_size + heads * (2 * HALF) + dims
-            tl.store(cached, y1, mask=mask)
-            tl.store(cached + HALF, y2, mask=mask)
+            tl.store(cached, cache_form(y1, k_scale_ptr + heads, mask, FP8), mask=mask)
+            tl.store(cached + HALF, cache_form(y2, k_scale_ptr + heads, mask, FP8), mask=mask)
 
 
 @triton.jit
