@@ -52,7 +52,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_
         k_mask = (k0 + ks) < K
         x = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / _FP8_MAX
-        x_fp8 = (x / x_scale[:, None]).to(tl.float8e4nv)
+        x_fp8 = tl.math.div_rn(x, x_scale[:, None]).to(tl.float8e4nv)  # IEEE division, as torch divides
         w = tl.load(w_ptrs + k0, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         w_scale = tl.load(scale_ptrs + k0 // scale_cols, mask=col_mask, other=0.0)
         acc += tl.dot(x_fp8, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
@@ -74,7 +74,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om, BL
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / _FP8_MAX
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + k0 + offs, (x / scale).to(tl.float8e4nv), mask=k0 + offs < K)
+        tl.store(out_ptr + row * stride_om + k0 + offs, tl.math.div_rn(x, scale).to(tl.float8e4nv), mask=k0 + offs < K)
     release_next(USE_PDL)
     tl.store(scale_ptr + row, scale)
 

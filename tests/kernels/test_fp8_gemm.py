@@ -14,6 +14,9 @@ from kernels.triton_fp8_gemm import choose_config, quantize_rows, scaled_mm_line
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 E4M3 = torch.float8_e4m3fn
+# Hopper's FP8 tensor cores (the 64- and 128-row tiles) add products in fewer bits than float32 within a K tile
+# (DeepSeek-V3's report, 3.3.2): their float32 outputs differ from the reference by a few 1e-4 of the largest.
+FLOAT32_TOLERANCE = 1e-3 if ON_CUDA else 1e-4
 
 
 def activations(m: int, k: int, dtype: torch.dtype, group: int = 128) -> torch.Tensor:
@@ -59,7 +62,7 @@ def test_triton_fp8_gemm_matches_reference(m, n, k, block, dtype, with_bias):
     expected = reference.fp8_linear(x, weight, scale, block, bias, method="triton")
     out = triton_fp8_linear(x, weight, scale, block, bias)
     assert out.dtype == dtype
-    assert_close_to_scale(out, expected, 1e-4 if dtype == torch.float32 else 1e-2)
+    assert_close_to_scale(out, expected, FLOAT32_TOLERANCE if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
