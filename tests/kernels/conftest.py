@@ -18,3 +18,12 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """On CUDA, give each test's cached blocks back, so that parallel test workers sharing the GPU do not run
+    it out of memory with blocks they no longer use."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

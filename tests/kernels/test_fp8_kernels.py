@@ -263,7 +263,7 @@ def test_fused_decode_with_window_and_sinks(window, with_sinks):
     "contexts,num_q_heads,num_kv_heads,head_dim,block_size,num_splits",
     [([1, 33, 600], 4, 2, 64, 16, None)]
     + cuda_only(([2048] * 256, 16, 8, 128, 16, None), ([8192, 1, 4095, 4096, 4097, 513], 16, 8, 128, 16, None),
-                ([8000] * 3 + [17] * 61, 32, 4, 128, 256, None), ([300, 7000], 8, 8, 64, 32, 8)),
+                ([8000] * 3 + [17] * 61, 32, 4, 128, 256, None), ([300, 7000, 9], 8, 8, 64, 32, 8)),
 )
 def test_fused_decode_shapes_and_dtypes(contexts, num_q_heads, num_kv_heads, head_dim, block_size, num_splits, dtype):
     check_fused_decode(contexts, num_q_heads, num_kv_heads, head_dim, block_size, dtype, True, num_splits)
