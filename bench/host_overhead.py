@@ -26,13 +26,14 @@ class FakeModel(nn.Module):
         super().__init__()
         self.anchor = nn.Parameter(torch.zeros(1))  # the runner reads device and dtype from the parameters
         self.lm_head = True
+        self.kv_window = 0  # no sliding window: every block stays readable
         self.hidden = torch.zeros(max_tokens, HIDDEN)
         self.logits = torch.zeros(max_rows, 1)
 
     def kv_cache_shape(self, num_blocks, block_size):
         return 1, num_blocks, block_size, 1, 1
 
-    def set_kv_cache(self, k_caches, v_caches):
+    def set_kv_cache(self, k_caches, v_caches, k_scales=None, v_scales=None):
         pass
 
     def forward(self, input_ids, positions, meta):
@@ -49,9 +50,9 @@ class FixedSampler(Sampler):
         super().__init__(torch.device("cpu"))
         self.fixed = torch.full((max_rows,), 7, dtype=torch.int64)
 
-    def __call__(self, logits, seqs, ahead=0):
+    def sample(self, logits, seqs, ahead=0, masks=None):
         self.plan_for(seqs)
-        return self.fixed[:len(seqs)]
+        return self.fixed[:len(seqs)], None
 
 
 class NoopGraph:

@@ -33,12 +33,12 @@ LOG_TAIL_LINES = 40
 class TeacherForcing:
     """Stands in for the runner's sampler: feeds each request the reference's next token and records, per
     (request, position), the engine's top-1 token, its top-2 margin and the log-prob of the forced token.
-    The runner also asks its sampler for the batch's sampling plan: the real sampler's answers."""
+    The runner also asks its sampler for the batch's sampling plan and upload ring: the real sampler's."""
 
     def __init__(self, tokens: list[list[int]], sampler):
-        self.tokens, self.records, self.plan_for = tokens, {}, sampler.plan_for
+        self.tokens, self.records, self.plan_for, self.uploads = tokens, {}, sampler.plan_for, sampler.uploads
 
-    def __call__(self, logits, seqs, ahead=0):
+    def sample(self, logits, seqs, ahead=0, masks=None):
         forced = torch.tensor([self.tokens[seq.request_id][seq.num_output_tokens] for seq in seqs],
                               device=logits.device)
         top2 = logits.topk(2, dim=-1).values
@@ -46,7 +46,7 @@ class TeacherForcing:
         for seq, top1, margin, lp in zip(seqs, logits.argmax(-1).tolist(), (top2[:, 0] - top2[:, 1]).tolist(),
                                          logp.tolist()):
             self.records[seq.request_id, seq.num_output_tokens] = (top1, margin, lp)
-        return forced
+        return forced, None
 
 
 def run_engine(path, prompts, new_tokens, reference, **config) -> tuple[list[list[int]], dict, int]:
