@@ -7,7 +7,10 @@ A sliding-window model with a prompt longer than its window checks the window's 
 the blocks freed behind the window are never read:
     python3 bench/logits_check.py --model mistral-7b --layers 4 --sliding-window 512 --prompt-len 1500
 Gemma-3-1B's local layers have a window of 512: --model gemma3-1b --prompt-len 1000. --fp8: the engine serves
-the model's block-wise FP8 copy (bench/random_model.py), transformers the bf16 weights it was made from.
+the model's block-wise FP8 copy (bench/random_model.py); transformers computes what that copy specifies, W8A8:
+the dequantized weights, each projection's input rounded through e4m3 per token and 128 columns (as
+kernels/reference.py's quantize_fp8; `--fp8-gemm triton` computes exactly that, scaled_mm requantizes per row),
+since on random weights the rounding alone moves most near-ties.
 --kv-cache-dtype fp8 runs the engine with an FP8 KV cache (transformers keeps its bf16 / fp32 one)."""
 import argparse
 from random import randint, seed
@@ -16,22 +19,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from random_model import make_fp8_copy, make_random_model
+from kernels.reference import dequantize_fp8, quantize_fp8
+from random_model import FP8_BLOCK, make_fp8_copy, make_random_model
 
 MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
 
 
 class TeacherForcing:
-    """Stands in for the engine's sampler (whose batch plan the runner still reads): records each step's
-    logits and returns the reference token."""
+    """Stands in for the engine's sampler (whose batch plan and upload ring the runner still reads): records each
+    step's logits and returns the reference token, without logprobs."""
 
     def __init__(self, tokens: list[int], sampler):
-        self.tokens, self.logits, self.plan_for = tokens, [], sampler.plan_for
+        self.tokens, self.logits, self.plan_for, self.uploads = tokens, [], sampler.plan_for, sampler.uploads
 
-    def __call__(self, logits, seqs, ahead=0):
+    def sample(self, logits, seqs, ahead=0, masks=None):
         seq = seqs[0]
         self.logits.append(logits[0].float())
-        return torch.tensor([self.tokens[len(seq)]], device=logits.device)
+        return torch.tensor([self.tokens[len(seq)]], device=logits.device), None
 
 
 def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
@@ -48,6 +52,22 @@ def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     finally:
         core.runner.sampler = sampler
     return torch.stack(forcing.logits), seq.num_cached_tokens
+
+
+def as_w8a8(model) -> None:
+    """Makes a transformers model compute as the FP8 copy of its weights specifies: every decoder-layer
+    projection's weight rounded block-wise to e4m3 (as make_fp8_copy does) and its input rounded per token and
+    128 columns."""
+    def quantized_input(module, args):
+        x = args[0]
+        values, scales = quantize_fp8(x.reshape(-1, x.shape[-1]), (1, FP8_BLOCK[1]))
+        return dequantize_fp8(values, scales, (1, FP8_BLOCK[1]), x.dtype).view(x.shape),
+
+    for name, module in model.named_modules():
+        if ".layers." in name and name.endswith("proj") and isinstance(module, torch.nn.Linear):
+            values, scales = quantize_fp8(module.weight.data, FP8_BLOCK)
+            module.weight.data = dequantize_fp8(values, scales, FP8_BLOCK, module.weight.dtype)
+            module.register_forward_pre_hook(quantized_input)
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor,
@@ -75,7 +95,7 @@ def main():
                     help="top-2 gap (fp32 logits) of a decided position (an FP8 KV cache's rounding moves log-probs "
                          "more than bf16's)")
     ap.add_argument("--fp8", action="store_true", help="the engine serves the model's FP8 copy")
-    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = ap.parse_args()
     seed(0)
@@ -85,13 +105,16 @@ def main():
     served, label = (make_fp8_copy(path), "engine FP8") if args.fp8 else (path, "engine")
     tokens = [randint(0, 10000) for _ in range(args.prompt_len + args.positions)]
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    if args.fp8:
+        as_w8a8(ref_model)
     ids = torch.tensor([tokens], device="cuda")
     ref = ref_model(ids).logits[0, args.prompt_len - 1:-1].float()
     ref32 = ref_model.float()(ids).logits[0, args.prompt_len - 1:-1].float()
     del ref_model
     torch.cuda.empty_cache()
     margin = args.margin
-    rows = [("transformers bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
+    reference = "transformers W8A8" if args.fp8 else "transformers"
+    rows = [(f"{reference} bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
     for eager in (False, True):
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
                   max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype)
