@@ -146,7 +146,7 @@ def main():
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy, on an engine of its own")
-    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
                     help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")

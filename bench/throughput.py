@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy")
-    ap.add_argument("--fp8-gemm", default="triton", choices=("triton", "scaled_mm"))
+    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
                     help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")

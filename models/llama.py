@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, hf_config, with_lm_head: bool = True, max_model_len: int | None = None,
-                 fp8_gemm: str = "triton"):
+                 fp8_gemm: str = "scaled_mm"):
         super().__init__()
         config = hf_config.get_text_config()
         quant = fp8_format(hf_config, fp8_gemm)

@@ -48,7 +48,7 @@ def architecture_of(hf_config) -> str:
 
 
 def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_head: bool = True,
-                  max_model_len: int | None = None, fp8_gemm: str = "triton") -> nn.Module:
+                  max_model_len: int | None = None, fp8_gemm: str = "scaled_mm") -> nn.Module:
     """An uninitialised decoder, its parameters allocated on `device` in `dtype` (FP8 checkpoints' projections
     in e4m3), ready for a weight loader."""
     from models.llama import LlamaForCausalLM
@@ -58,7 +58,7 @@ def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_h
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-               max_model_len: int | None = None, fp8_gemm: str = "triton") -> LoadedModel:
+               max_model_len: int | None = None, fp8_gemm: str = "scaled_mm") -> LoadedModel:
     """Load a local checkpoint directory (config.json + safetensors) or a .gguf file (its converted metadata kept
     under cache_dir, see models/gguf_loader.py). max_model_len and fp8_gemm go to the decoder (see
     models/llama.py)."""
