@@ -11,6 +11,7 @@ writing (Session.eof_received keeps it), and stdout is a pipe of its own.
 """
 import asyncio
 import os
+import selectors
 import socket
 import stat
 import sys
@@ -130,12 +131,24 @@ async def _open_stdio(loop, session: Session, writer: ReplyWriter) -> Closer:
     write_transport, _ = await loop.connect_write_pipe(lambda: _WritePipeSide(writer),
                                                        os.fdopen(reply_fd, "wb", buffering=0))
     writer.attach(write_transport)
+    _require_watchable(sys.stdin.fileno())
     stdin = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
     read_transport, _ = await loop.connect_read_pipe(lambda: session, stdin)
 
     async def close() -> None:
         read_transport.close()
     return close
+
+
+def _require_watchable(fd: int) -> None:
+    """asyncio watches stdin in the background: an fd the selector refuses (a regular file, /dev/null) would fail
+    there, unseen, and the handler would wait forever. Refuse it here instead."""
+    with selectors.DefaultSelector() as selector:
+        try:
+            selector.register(fd, selectors.EVENT_READ)
+        except (OSError, ValueError) as exc:
+            raise TransportError("the stdio transport reads requests from stdin, which must be a pipe, a socket "
+                                 f"or a terminal, not a file or /dev/null ({exc})") from exc
 
 
 class _Refuse(asyncio.Protocol):

@@ -251,6 +251,15 @@ def test_stdio_eof_drains_while_stdout_stays_open():
         stop_process(proc, subprocess.signal.SIGKILL)
 
 
+def test_stdio_refuses_a_stdin_it_cannot_watch():
+    """stdin at /dev/null (or a file) cannot be watched by the event loop: a clear error and exit 2, not a
+    handler waiting forever."""
+    proc = subprocess.run([sys.executable, ECHO_WORKER], env=child_env(HFENDPOINT_STDIO="1"),
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    assert proc.returncode == 2
+    assert b"stdin, which must be a pipe, a socket or a terminal" in proc.stderr
+
+
 def serve_one_request(sock: socket.socket) -> list:
     sock.sendall(msgpack.packb({"id": 7, "name": "echo", "data": "over unix"}))
     sock.settimeout(10)
