@@ -137,7 +137,9 @@ def parse_message(message, where: str) -> dict:
     pass to the template."""
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be a map with role and content, got {type_name(message)}", param="messages")
-    role = message.get("role") or "user"
+    role = message.get("role")
+    if role is None:  # absent or null: the user speaks
+        role = "user"
     if not isinstance(role, str):
         raise RequestError(f"{where}.role must be a string, got {type_name(role)}", param="messages")
     if role not in ROLES:

@@ -129,6 +129,8 @@ def test_developer_messages_are_system_messages_and_the_plain_roles_are_taken(mo
     ({"messages": [{"role": "user", "content": "a"}, {"role": "alien", "content": "b"}]}, "messages",
      "messages[1].role must be one of"),
     ({"messages": [{"role": "user", "content": "a", "name": 7}]}, "messages", "messages[0].name must be a string"),
+    ({"messages": [{"role": [], "content": "hi"}]}, "messages", "messages[0].role must be a string, got list"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages", "messages[0].role must be one of"),
     (user("word " * 200), "messages", "maximum context length of 128"),
 ])
 def test_bad_values_name_the_field_and_the_type_expected(model, data, param, message):
