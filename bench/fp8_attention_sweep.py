@@ -8,7 +8,8 @@ configuration's time summed over the batches (the throughput workload's decode s
 and the best, as the line to put in kernels/triton_attention.py. A last table times a prefill step (16 chunks
 of 512 tokens after 0-512 cached ones) and its prologue, bf16 against FP8.
 
-Run on a CUDA machine from the repository root: PYTHONPATH=. python3 bench/fp8_attention_sweep.py [--quick].
+Run on a CUDA machine from the repository root: PYTHONPATH=. python3 bench/fp8_attention_sweep.py [--quick] [--tiles
+128,4,1 64,2,2 ...].
 bench/throughput.py and bench/latency.py take the best line's numbers as --decode-tiles N,WARPS,STAGES,MIN_SPLIT
 (use_decode_tiles) to try them end to end."""
 import argparse
@@ -35,9 +36,14 @@ FP8 = torch.float8_e4m3fn
 BATCHES = (256, 128, 64, 16, 1)
 
 
+def parse_tiles(spec: str) -> DecodeTiles:
+    """DecodeTiles from "N,WARPS,STAGES[,MIN_SPLIT]"."""
+    return DecodeTiles(*map(int, spec.split(",")))
+
+
 def use_decode_tiles(spec: str, kv_cache_dtype: str) -> None:
     """Makes decode over a cache of kv_cache_dtype (auto: 16-bit, or fp8) use the tiles "N,WARPS,STAGES[,MIN_SPLIT]"."""
-    tiles = DecodeTiles(*map(int, spec.split(",")))
+    tiles = parse_tiles(spec)
     setattr(triton_attention, "FP8_DECODE_TILES" if kv_cache_dtype == "fp8" else "DECODE_TILES", tiles)
     print(f"decode tiles for the {kv_cache_dtype} cache: {tiles}", flush=True)
 
@@ -95,11 +101,14 @@ def expected_output(qkv, cos_sin, norms, k_cache, v_cache, meta, scales):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three FP8 tile configurations only")
+    ap.add_argument("--tiles", nargs="+", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="the FP8 tile configurations to try instead of the grid")
     args = ap.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     cos_sin, norms = rotary_and_norms()
-    configs = [("bf16", torch.bfloat16, DECODE_TILES)] + [("fp8", FP8, tiles) for tiles in tile_grid(args.quick)]
+    configs = [("bf16", torch.bfloat16, DECODE_TILES)] + [("fp8", FP8, tiles) for tiles in (
+        [parse_tiles(spec) for spec in args.tiles] if args.tiles else tile_grid(args.quick))]
     totals = {index: 0.0 for index in range(len(configs))}
     print(f"{'batch':>5} {'cache':5} {'block_n':>7} {'warps':>5} {'stages':>6} {'min split':>9} {'us':>8} {'TB/s':>6} "
           f"{'x bf16':>6} {'max err':>8}")
