@@ -67,7 +67,7 @@ def e4m3_edge_values(count):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=pytest.mark.slow)])  # 128: twice the interpreting
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 1), (6, 2)])
 def test_prologue_stores_like_the_reference_bit_for_bit(num_q_heads, num_kv_heads, head_dim, qk_norm, dtype):
     """The keys the kernel rotated and the values (e4m3 edge cases: ties, neighbours of ties, subnormals,
@@ -142,6 +142,7 @@ def test_reference_reads_keys_and_values_times_their_scales():
     assert not torch.allclose(out, unscaled, atol=1e-2)
 
 
+@pytest.mark.slow  # interpreted at five tile shapes
 @pytest.mark.parametrize("tiles", [DecodeTiles(16, 4, 2, 16), DecodeTiles(32, 4, 2, 64), DecodeTiles(64, 8, 3),
                                    DecodeTiles(128, 4, 2), DecodeTiles(256, 8, 2, 512)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])

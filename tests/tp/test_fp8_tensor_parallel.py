@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from tp_testing import prompts
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks in processes of their own
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 
