@@ -87,7 +87,7 @@ class Service:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        app = make_app(self.connection, KEY, "smollm2", 120.0, idle_timeout)
+        app = make_app(self.connection, KEY, 120.0, idle_timeout=idle_timeout)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=idle_timeout)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()

@@ -41,6 +41,11 @@ def parse_tiles(spec: str) -> DecodeTiles:
     return DecodeTiles(*map(int, spec.split(",")))
 
 
+def add_decode_tiles_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+                    help="decode attention's tiles for this cache dtype, as bench/fp8_attention_sweep.py prints them")
+
+
 def use_decode_tiles(spec: str, kv_cache_dtype: str) -> None:
     """Makes decode over a cache of kv_cache_dtype (auto: 16-bit, or fp8) use the tiles "N,WARPS,STAGES[,MIN_SPLIT]"."""
     tiles = parse_tiles(spec)

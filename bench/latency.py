@@ -18,11 +18,11 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import use_decode_tiles
+from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
-from random_model import make_fp8_copy, make_random_model
+from random_model import add_fp8_arguments, make_random_model, weights_to_run
 
 LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
@@ -145,22 +145,16 @@ def main():
     ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
-    ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy, on an engine of its own")
-    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
-                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
+    add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
+    add_decode_tiles_argument(ap)
     args = ap.parse_args()
     if args.decode_tiles:
         use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
-    models = [("as saved", path, {})]
-    if args.fp8:
-        models.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
     print(f"{'weights':16} {'metric':6} {'shape':28} {'ms (median)':>12}")
     compared = []
-    for weights, model_path, settings in models:
+    for weights, model_path, settings in weights_to_run(path, args):
         rows, featured = measure(model_path, args, **settings)
         for metric, shape, ms in rows:
             print(f"{weights:16} {metric:6} {shape:28} {ms:12.3f}", flush=True)

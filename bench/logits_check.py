@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from kernels.reference import dequantize_fp8, quantize_fp8
-from random_model import FP8_BLOCK, make_fp8_copy, make_random_model
+from random_model import FP8_BLOCK, add_fp8_arguments, make_fp8_copy, make_random_model
 
 MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
 
@@ -94,9 +94,7 @@ def main():
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help="top-2 gap (fp32 logits) of a decided position (an FP8 KV cache's rounding moves log-probs "
                          "more than bf16's)")
-    ap.add_argument("--fp8", action="store_true", help="the engine serves the model's FP8 copy")
-    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    add_fp8_arguments(ap, "the engine serves the model's FP8 copy")
     args = ap.parse_args()
     seed(0)
     overrides = {key: value for key, value in [("num_hidden_layers", args.layers),

@@ -11,7 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine.config import KV_CACHE_DTYPES
 from kernels.reference import quantize_fp8
+from models.fp8 import FP8_GEMMS
 from models.loader import safetensors_files
 
 FP8_BLOCK = (128, 128)
@@ -94,6 +96,21 @@ def make_fp8_copy(model_dir: str, out_dir: str | None = None, device: str | None
     _write_json(config_path + ".partial", config)
     os.replace(config_path + ".partial", config_path)  # written last: its presence means the copy is whole
     return out_dir
+
+
+def add_fp8_arguments(ap: argparse.ArgumentParser, fp8_help: str) -> None:
+    """The engine benchmarks' FP8 options: --fp8 (fp8_help says what it runs), --fp8-gemm, --kv-cache-dtype."""
+    ap.add_argument("--fp8", action="store_true", help=fp8_help)
+    ap.add_argument("--fp8-gemm", default=FP8_GEMMS[0], choices=FP8_GEMMS)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+
+
+def weights_to_run(path: str, args) -> list[tuple[str, str, dict]]:
+    """(label, model directory, engine settings): the weights at path, then with --fp8 their FP8 copy."""
+    weights = [("as saved", path, {})]
+    if args.fp8:
+        weights.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
+    return weights
 
 
 def _write_json(path: str, value: dict) -> None:

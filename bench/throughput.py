@@ -7,10 +7,10 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import use_decode_tiles
+from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 
 from engine import LLM, SamplingParams
-from random_model import make_fp8_copy, make_random_model
+from random_model import add_fp8_arguments, make_random_model, weights_to_run
 from step_trace import StepTrace
 
 
@@ -33,20 +33,14 @@ def main():
     ap.add_argument("--trace", action="store_true", help="after each repeat, where its time went (bench/step_trace.py)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
-    ap.add_argument("--fp8", action="store_true", help="then the model's block-wise FP8 copy")
-    ap.add_argument("--fp8-gemm", default="scaled_mm", choices=("scaled_mm", "triton"))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
-                    help="decode attention's tiles for this cache dtype (bench/fp8_attention_sweep.py)")
+    add_fp8_arguments(ap, "then the model's block-wise FP8 copy")
+    add_decode_tiles_argument(ap)
     args = ap.parse_args()
     if args.decode_tiles:
         use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
-    models = [("as saved", path, {})]
-    if args.fp8:
-        models.append((f"FP8 {args.fp8_gemm}", make_fp8_copy(path), {"fp8_gemm": args.fp8_gemm}))
-    for weights, model_path, settings in models:
+    for weights, model_path, settings in weights_to_run(path, args):
         run(model_path, weights, args, **overrides, **settings)
 
 

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
-from kernels.split_arrivals import arrival_counters, num_sms
-from kernels.triton_linear import store_split_tile
+from kernels.split_arrivals import num_sms
+from kernels.triton_linear import split_k_outputs, store_split_tile
 
 FP8_MAX = 448.0
 GROUP_K = 128  # columns of x per activation scale, and the K tile
@@ -105,14 +105,10 @@ def triton_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         raise ValueError(f"triton_fp8_linear: weight scale blocks of {cols} columns do not hold whole {GROUP_K}-"
                          "column tiles")
     block_m, block_n, split_k, num_warps, num_stages = config or choose_config(m, n, k, num_sms(x.device))
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    out, part, arrivals = split_k_outputs(x, n, tiles, split_k)
     if m == 0:
         return out
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    part = arrivals = out
-    if split_k > 1:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(tiles, x.device)
     _fp8_gemm_kernel[(tiles * split_k,)](
         x, weight, weight_scale, bias if bias is not None else out, out, part, arrivals, m, n, k, x.stride(0),
         out.stride(0), weight_scale.stride(0), min(cols, k), triton.cdiv(triton.cdiv(k, GROUP_K), split_k),

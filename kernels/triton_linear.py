@@ -77,6 +77,17 @@ def _store_tile(out_ptr, bias_ptr, acc, rows, cols, mask, col_mask, stride_om, H
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def split_k_outputs(x: torch.Tensor, n: int, tiles: int, split_k: int) -> tuple[torch.Tensor, ...]:
+    """The output [M, n] in x's dtype and, with K split, the float32 parts and the tiles' arrival counters that
+    store_split_tile reads (without a split, the output stands in for both)."""
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    part = arrivals = out
+    if split_k > 1:
+        part = torch.empty((split_k, x.shape[0], n), dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(tiles, x.device)
+    return out, part, arrivals
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) with config = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
     num_stages); K must be a multiple of SPLIT_K * BLOCK_K."""
@@ -85,12 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     if k % (split_k * block_k) or x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError(f"triton linear: K={k} must be a multiple of {split_k} x {block_k}, with x's rows and the "
                          "weight contiguous")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    part = arrivals = out
-    if split_k > 1:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(tiles, x.device)
+    out, part, arrivals = split_k_outputs(x, n, tiles, split_k)
     _linear_kernel[(tiles * split_k,)](
         x, weight, bias if bias is not None else out, out, part, arrivals, m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,

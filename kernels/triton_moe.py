@@ -163,22 +163,34 @@ def align_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 # ---- grouped GEMMs --------------------------------------------------------------------------------------
 
 @triton.jit
+def _column_tile(N, BLOCK_N: tl.constexpr):
+    """This program's block of sorted slots and its BLOCK_N output columns with their mask: a block's column
+    tiles are neighbouring programs."""
+    pid = tl.program_id(0)
+    num_col_tiles = tl.cdiv(N, BLOCK_N)
+    cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid // num_col_tiles, cols, cols < N
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block, num_rows, BLOCK_M: tl.constexpr):
+    """A block's slots, the (token, choice) rows they hold, and which hold one (padding holds num_rows)."""
+    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + slots)
+    return slots, rows, rows < num_rows
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, stride_x, INTER, K,
                     TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA, LIMIT,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots."""
-    pid = tl.program_id(0)
-    num_col_tiles = tl.cdiv(INTER, BLOCK_N)
-    block = pid // num_col_tiles
-    cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < INTER
+    block, cols, col_mask = _column_tile(INTER, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
     if expert < NUM_EXPERTS:
-        slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(sorted_ptr + slots)
-        row_mask = rows < num_rows
+        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]
         gate_ptrs = w_ptr + expert.to(tl.int64) * 2 * INTER * K + cols[:, None] * K + ks[None, :]
@@ -220,17 +232,11 @@ def _down_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block
                  NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations)."""
-    pid = tl.program_id(0)
-    num_col_tiles = tl.cdiv(N, BLOCK_N)
-    block = pid // num_col_tiles
-    cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    block, cols, col_mask = _column_tile(N, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
     if expert < NUM_EXPERTS:
-        slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(sorted_ptr + slots)
-        row_mask = rows < num_rows
+        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
         w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]

@@ -129,3 +129,21 @@ def attach_kv_cache(model, num_blocks: int, block_size: int) -> tuple[list[torch
     v_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
     model.set_kv_cache(k_caches, v_caches)
     return k_caches, v_caches
+
+
+@torch.no_grad()
+def assert_paged_steps_match(model, reference) -> None:
+    """Logits of a cacheless 14-token prefill, then of paged steps (prompt chunks, then decodes of two sequences,
+    blocks of 4), equal the transformers reference's forward."""
+    attach_kv_cache(model, num_blocks=16, block_size=4)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator) for n in (14, 6)]
+    tables = [[9, 2, 12, 5], [7, 0]]
+    expected = [reference(p[None]).logits[0] for p in prompts]
+    hidden = model(prompts[0], torch.arange(14), varlen_metadata([14]))
+    torch.testing.assert_close(model.compute_logits(hidden), expected[0], atol=1e-4, rtol=1e-4)
+    for chunks in ([(0, 5)], [(5, 6), (0, 5)], [(11, 1), (5, 1)], [(12, 2)]):
+        meta, positions = paged_step(chunks, tables[: len(chunks)], 4)
+        ids = torch.cat([prompts[b][c : c + n] for b, (c, n) in enumerate(chunks)])
+        want = torch.cat([expected[b][c : c + n] for b, (c, n) in enumerate(chunks)])
+        torch.testing.assert_close(model.compute_logits(model(ids, positions, meta)), want, atol=1e-4, rtol=1e-4)

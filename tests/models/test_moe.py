@@ -289,27 +289,14 @@ def test_decoder_through_triton_kernels_matches_transformers(decoders, name, mon
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (set without a GPU)")
-    from decoder_testing import attach_kv_cache, paged_step, varlen_metadata
+    from decoder_testing import assert_paged_steps_match
 
     from models.registry import load_model
 
     path, reference = decoders(name)
     triton_backend = kernels._backend("cuda")
     monkeypatch.setattr(kernels, "_backend", lambda device_type: triton_backend)
-    model = load_model(path, torch.float32, torch.device("cpu")).model
-    attach_kv_cache(model, num_blocks=16, block_size=4)
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator) for n in (14, 6)]
-    tables = [[9, 2, 12, 5], [7, 0]]
-    with torch.no_grad():
-        expected = [reference(p[None]).logits[0] for p in prompts]
-        hidden = model(prompts[0], torch.arange(14), varlen_metadata([14]))
-        torch.testing.assert_close(model.compute_logits(hidden), expected[0], atol=1e-4, rtol=1e-4)
-        for chunks in ([(0, 5)], [(5, 6), (0, 5)], [(11, 1), (5, 1)], [(12, 2)]):
-            meta, positions = paged_step(chunks, tables[: len(chunks)], 4)
-            ids = torch.cat([prompts[b][c : c + n] for b, (c, n) in enumerate(chunks)])
-            want = torch.cat([expected[b][c : c + n] for b, (c, n) in enumerate(chunks)])
-            torch.testing.assert_close(model.compute_logits(model(ids, positions, meta)), want, atol=1e-4, rtol=1e-4)
+    assert_paged_steps_match(load_model(path, torch.float32, torch.device("cpu")).model, reference)
 
 
 @pytest.mark.slow  # tensor-parallel ranks, or interpreted Triton at model scale
