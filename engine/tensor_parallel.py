@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
+from engine.heap import freeze_startup_objects
 from engine.model_runner import ModelRunner
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
@@ -208,6 +209,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
         return
     pipe.send(None)
     runner = ModelRunner(config, loaded)
+    freeze_startup_objects()
     while True:
         try:
             method, args = pickle.loads(pipe.recv_bytes())

@@ -84,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker, tokenizer = loaded
     try:
+        from engine.heap import freeze_startup_objects
         from handler.service import Service
         service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
+        freeze_startup_objects()
         daemon_protocol.serve(args.transport, drain_timeout=settings.drain_timeout)
         return 0
     finally:

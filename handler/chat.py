@@ -86,7 +86,7 @@ def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools,
                            model.trust_request_chat_template)
     check_prompt_chars(len(prompt), model)
-    prompt_token_ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt_token_ids = encode_prompt(model.tokenizer, prompt)
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
@@ -182,6 +182,17 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
         raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """A rendered prompt's ids; the template has written its special tokens already. Straight from the Rust
+    tokenizer, without the character offsets that tokenizer(prompt) computes and throws away, and with the GIL
+    released while it runs. An embedding input with truncate_prompt_tokens leaves truncation set on this
+    thread's tokenizer (handler/tokenizer.py): it is turned off, as tokenizer(prompt) would, so no prompt is cut."""
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    return backend.encode_batch_fast([prompt], add_special_tokens=False)[0].ids
 
 
 def request_template(data: dict, kwargs: dict, trusted: bool) -> dict:

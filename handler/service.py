@@ -28,6 +28,7 @@ from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
 
 ENCODER_THREADS = 4  # requests encoded at once
+ENCODER_START_TIMEOUT_S = 60.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -59,9 +60,17 @@ class Service:
         self._encoder_state = threading.local()
         self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
                                           initializer=self._start_encoder_thread)
+        self._start_every_encoder_thread()
         self._request_ids = itertools.count(1)
         self._engine_log_interval = engine_log_interval
         self._engine_report: asyncio.Task | None = None
+
+    def _start_every_encoder_thread(self) -> None:
+        """Starts the pool's threads now rather than at the first burst of requests: each copies the tokenizer as
+        it starts, holding the GIL long enough to stall the engine thread and every request in flight."""
+        all_started = threading.Barrier(ENCODER_THREADS)  # while one thread waits, the next job needs a new one
+        for started in [self.encoder.submit(all_started.wait, ENCODER_START_TIMEOUT_S) for _ in range(ENCODER_THREADS)]:
+            started.result()
 
     def _start_encoder_thread(self) -> None:
         self._encoder_state.chat_model = dataclasses.replace(self.chat_model,

@@ -10,6 +10,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from handler.chat import ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults
+from handler.tokenizer import embedding_token_ids
 
 MAX_MODEL_LEN = 128
 
@@ -32,6 +33,21 @@ def test_prompt_is_the_chat_template_with_a_generation_prompt(model):
     request = parse_chat_request(user("What is the capital of France?"), model)
     text = model.tokenizer.decode(request.prompt_token_ids)
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_prompt_ids_are_the_tokenizers_own_for_special_tokens_and_any_script(model):
+    messages = [{"role": "system", "content": "Réponds en une phrase. 日本語も。"},
+                {"role": "user", "content": "Emoji 🦀, tabs\tand <|im_start|> typed by the user"}]
+    request = parse_chat_request({"messages": messages}, model)
+    assert request.prompt_token_ids == expected_prompt(model.tokenizer, messages)
+
+
+def test_truncation_left_by_an_embedding_input_never_cuts_a_prompt(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)  # an encoding thread's copy serves tokenize and chat alike
+    assert len(embedding_token_ids(tokenizer, ["one two three four five six seven"], keep_last=3)[0]) == 3
+    request = parse_chat_request(user("one two three four five six seven"), ChatModel(tokenizer, MAX_MODEL_LEN, (), {}))
+    assert request.prompt_token_ids == expected_prompt(smollm2_tokenizer, user("one two three four five six seven")[
+        "messages"])
 
 
 def test_content_parts_nil_content_and_missing_role(model):
@@ -206,7 +222,7 @@ def test_trusted_templates_from_requests_are_used(model):
 
 
 class CountingTokenizer:
-    """The tokenizer, counting the texts it tokenizes."""
+    """The tokenizer, counting the texts its Rust backend tokenizes (in any of its encode methods)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
@@ -214,9 +230,24 @@ class CountingTokenizer:
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.tokenizer(*args, **kwargs)
+    @property
+    def backend_tokenizer(self):
+        return CountingBackend(self)
+
+
+class CountingBackend:
+    def __init__(self, counting: CountingTokenizer):
+        self.counting, self.backend = counting, counting.tokenizer.backend_tokenizer
+
+    def __getattr__(self, name):
+        method = getattr(self.backend, name)
+        if not name.startswith("encode"):
+            return method
+
+        def counted(*args, **kwargs):
+            self.counting.calls += 1
+            return method(*args, **kwargs)
+        return counted
 
 
 def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(model):

@@ -73,6 +73,19 @@ async def ticks_during(coroutine) -> tuple[object, int]:
     return task.result(), ticks
 
 
+def test_every_encoding_thread_copies_its_tokenizer_before_the_first_request(service, monkeypatch):
+    """A copy holds the GIL for a long while: made in the first burst of requests, it stalls the engine."""
+    encoders = [thread for thread in threading.enumerate() if thread.name.startswith("encoder")]
+    assert len(encoders) >= ENCODER_THREADS
+    copies = []
+    monkeypatch.setattr(handler.service.copy, "deepcopy", lambda value: copies.append(value) or value)
+
+    async def burst():
+        return await asyncio.gather(*(completion(service, chat(f"request {i}", max_tokens=1)) for i in range(16)))
+    assert [last["finish_reason"] for last in asyncio.run(burst())] == ["length"] * 16
+    assert copies == []
+
+
 def test_tokenize_runs_off_the_loop_and_gives_the_same_ids(service, smollm2_tokenizer, monkeypatch):
     threads = []
     monkeypatch.setattr(handler.service, "embedding_token_ids", slowed(handler.service.embedding_token_ids, threads))

@@ -1,0 +1,28 @@
+"""The handler freezes what startup left on the heap before it serves (engine/heap.py), so that a full garbage
+collection while serving scans only the objects serving created, not the libraries and the model."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Runs the handler's main with the transport replaced by a report of the collector's state at the moment it
+# would start serving.
+SERVE_AND_REPORT = """
+import gc, sys
+import daemon_protocol
+import handler.__main__ as handler_main
+daemon_protocol.serve = lambda *args, **kwargs: print(gc.get_freeze_count(), len(gc.get_objects()), flush=True)
+sys.exit(handler_main.main(["unix-listen:/nonexistent/socket"]))
+"""
+
+
+@pytest.mark.slow  # a handler process loading the packaged model
+def test_startup_objects_are_frozen_before_serving(smollm2_path):
+    env = {**os.environ, "MODEL_ID": smollm2_path, "HFENDPOINT_DEVICE": "cpu", "HFENDPOINT_MAX_MODEL_LEN": "256"}
+    result = subprocess.run([sys.executable, "-c", SERVE_AND_REPORT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    frozen, collectable = map(int, result.stdout.split())
+    assert frozen > 100_000  # torch, transformers and the model
+    assert collectable < frozen / 100
