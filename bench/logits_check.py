@@ -16,11 +16,12 @@ import argparse
 from random import randint, seed
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from kernels.reference import dequantize_fp8, quantize_fp8
 from random_model import FP8_BLOCK, add_fp8_arguments, make_fp8_copy, make_random_model
+from real_model import readme_tokens, smollm2_safetensors
 
 MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
 
@@ -71,22 +72,52 @@ def as_w8a8(model) -> None:
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor,
-            margin: float = MARGIN) -> tuple[float, float, float, float]:
+            margin: float = MARGIN) -> tuple[float, float, float, float, float]:
     """Top-1 agreement over all positions and over the positions bf16 can decide (margin_ref's top two
     logits more than `margin` apart; random weights give near-ties that bf16 rounding flips either way),
-    and the median and max error of the log-prob of ref's top token."""
+    the median and max error of the log-prob of ref's top token, and the widest margin_ref top-2 gap among the
+    positions whose top-1 differs (0 when none does: agreement is 1.000 above that margin)."""
     same = ours.argmax(-1) == ref.argmax(-1)
     top2 = margin_ref.topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) > margin
+    gaps = top2[:, 0] - top2[:, 1]
+    decided = gaps > margin
     ref_top = ref.argmax(-1, keepdim=True)
     err = (torch.log_softmax(ours, -1).gather(-1, ref_top) - torch.log_softmax(ref, -1).gather(-1, ref_top)).abs()
-    return same.float().mean().item(), same[decided].float().mean().item(), err.median().item(), err.max().item()
+    widest_flip = gaps[~same].max().item() if not same.all() else 0.0
+    return (same.float().mean().item(), same[decided].float().mean().item(), err.median().item(), err.max().item(),
+            widest_flip)
+
+
+def reference_logits(path: str, tokens: list[int], prompt_len: int, device: str, w8a8: bool):
+    """transformers' logits at the evaluated positions, bf16 and fp32, on the weights at path (with w8a8, as the FP8
+    copy specifies them: as_w8a8)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    if w8a8:
+        as_w8a8(model)
+    ids = torch.tensor([tokens], device=device)
+    bf16 = model(ids).logits[0, prompt_len - 1:-1].float()
+    fp32 = model.float()(ids).logits[0, prompt_len - 1:-1].float()
+    return bf16, fp32
+
+
+def random_or_real_model(args) -> tuple[str, list[int]]:
+    """(model directory, evaluated tokens): SmolLM2's real weights on README.md's text, or random weights (of
+    bench/models or a directory) on random token ids."""
+    count = args.prompt_len + args.positions
+    if args.model == "smollm2":
+        path = smollm2_safetensors()
+        return path, readme_tokens(AutoTokenizer.from_pretrained(path), count)
+    overrides = {key: value for key, value in [("num_hidden_layers", args.layers),
+                                               ("sliding_window", args.sliding_window)] if value is not None}
+    path = make_random_model(args.model, overrides=overrides) if "/" not in args.model else args.model
+    return path, [randint(0, 10000) for _ in range(count)]
 
 
 @torch.inference_mode()
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--model", default="qwen3-0.6b", help="a config name under bench/models, a model directory, or "
+                                                          "smollm2 (real weights: bench/real_model.py)")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--layers", type=int, help="num_hidden_layers of the random model (default: its config's)")
@@ -94,44 +125,46 @@ def main():
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help="top-2 gap (fp32 logits) of a decided position (an FP8 KV cache's rounding moves log-probs "
                          "more than bf16's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu: the engine computes in float32, with FP8 weights dequantized (models/fp8.py)")
     add_fp8_arguments(ap, "the engine serves the model's FP8 copy")
     args = ap.parse_args()
     seed(0)
-    overrides = {key: value for key, value in [("num_hidden_layers", args.layers),
-                                               ("sliding_window", args.sliding_window)] if value is not None}
-    path = make_random_model(args.model, overrides=overrides) if "/" not in args.model else args.model
+    path, tokens = random_or_real_model(args)
     served, label = (make_fp8_copy(path), "engine FP8") if args.fp8 else (path, "engine")
-    tokens = [randint(0, 10000) for _ in range(args.prompt_len + args.positions)]
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    if args.fp8:
-        as_w8a8(ref_model)
-    ids = torch.tensor([tokens], device="cuda")
-    ref = ref_model(ids).logits[0, args.prompt_len - 1:-1].float()
-    ref32 = ref_model.float()(ids).logits[0, args.prompt_len - 1:-1].float()
-    del ref_model
-    torch.cuda.empty_cache()
+    ref, ref32 = reference_logits(path, tokens, args.prompt_len, args.device, args.fp8)
     margin = args.margin
     reference = "transformers W8A8" if args.fp8 else "transformers"
     rows = [(f"{reference} bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
-    for eager in (False, True):
+    if args.fp8:  # against the weights before quantization: what FP8 costs
+        plain, plain32 = reference_logits(path, tokens, args.prompt_len, args.device, False)
+        rows.append(("transformers W8A8 fp32 vs unquantized fp32", *compare(ref32, plain32, plain32, margin)))
+        rows.append(("transformers unquantized bf16 vs fp32", *compare(plain, plain32, plain32, margin)))
+    for eager in (False, True) if args.device.startswith("cuda") else (True,):
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
-                  max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype)
+                  max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype,
+                  device=args.device)
         window = llm.core.block_manager.window
         name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
                 + (", fp8 KV" if args.kv_cache_dtype == "fp8" else ""))
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
         rows.append((f"{label} ({name}, chunks of 128) vs bf16", *compare(ours, ref, ref32, margin)))
         rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))
+        if args.fp8:
+            rows.append((f"{label} ({name}) vs unquantized fp32", *compare(ours, plain32, plain32, margin)))
         ours, cached = engine_logits(llm, tokens, args.prompt_len)
         rows.append((f"{label} ({name}, prefix hit {cached} tok) vs fp32", *compare(ours, ref32, ref32, margin)))
         del llm
-        torch.cuda.empty_cache()
-    top2 = ref32.topk(2, dim=-1).values
-    decided = ((top2[:, 0] - top2[:, 1]) > margin).sum().item()
-    print(f"{decided} of {len(ref32)} positions have a top-2 margin over {margin} in the fp32 reference")
-    print(f"{'comparison':64} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11}")
-    for name, agree, agree_decided, med, mx in rows:
-        print(f"{name:64} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for name, reference_fp32 in [("fp32 reference", ref32)] + ([("unquantized fp32", plain32)] if args.fp8 else []):
+        top2 = reference_fp32.topk(2, dim=-1).values
+        decided = ((top2[:, 0] - top2[:, 1]) > margin).sum().item()
+        print(f"{decided} of {len(reference_fp32)} positions have a top-2 margin over {margin} in the {name}")
+    print(f"{'comparison':64} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11} "
+          f"{'widest flip':>11}")
+    for name, agree, agree_decided, med, mx, flip in rows:
+        print(f"{name:64} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f} {flip:11.4f}")
 
 
 if __name__ == "__main__":
