@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/serve.py                              # concurrency 1, 16, 64, 256
     PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400
     PYTHONPATH=. python3 bench/serve.py --workload nanovllm          # served against bench/throughput.py
+    PYTHONPATH=. python3 bench/serve.py --trace t.json && python3 bench/serve_trace.py t.json   # inside the handler
 
 Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` on a model's weights (random
 Qwen3-0.6B-shaped ones unless --model names another config under bench/models or a model directory), waits for
@@ -80,8 +81,9 @@ class Server:
         self.stderr_path, self.access_log = log_dir / "server.stderr", log_dir / "server.stdout"
         command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0", "--",
                    sys.executable, "-m", "handler"]
+        path = [str(ROOT), env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]
         environment = {**os.environ, **env, "MODEL_ID": str(model_dir), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
-                       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+                       "PYTHONPATH": os.pathsep.join(filter(None, path))}
         with open(self.stderr_path, "wb") as stderr, open(self.access_log, "wb") as stdout:
             self.process = subprocess.Popen(command, env=environment, cwd=ROOT, stdin=subprocess.DEVNULL,
                                             stdout=stdout, stderr=stderr)
@@ -325,12 +327,16 @@ def main() -> None:
     parser.add_argument("--offline-tok-s", type=float, help="nanovllm: the offline number, instead of running it")
     parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
+                                                        "read it with bench/serve_trace.py)")
     args = parser.parse_args()
     sys.path[:0] = [str(HERE), str(ROOT)]  # bench's modules and this checkout's packages
     model = model_path(args.model, args.device)
     env = {"HFENDPOINT_MAX_BATCHED_TOKENS": str(args.max_batched_tokens)}
     if args.device:
         env["HFENDPOINT_DEVICE"] = args.device
+    if args.trace:
+        env.update(HANDLER_TRACE_OUT=str(Path(args.trace).resolve()), PYTHONPATH=str(HERE / "handler_trace"))
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
         server = Server(served_model_dir(model, Path(log_dir)), env, Path(log_dir))
         try:

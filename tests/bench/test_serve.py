@@ -1,5 +1,6 @@
 """bench/serve.py runs end to end on CPU with a tiny model, and its premise holds: a prompt of random token ids
 sent as words through the chat API reaches the engine as exactly those ids."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -7,11 +8,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, Qwen3Config
 
+from daemon_protocol.writer import data_prefix
 from random_decoders import save_random_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import serve  # noqa: E402  (bench/ is not a package)
+import serve_trace  # noqa: E402
 
 TINY = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -46,3 +49,25 @@ def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
         cells = row.split()
         assert cells[:3] == ["concurrency", str(concurrency), "6"]
         assert all(float(cell.replace(",", "")) > 0 for cell in cells[3:]), row
+
+
+@pytest.mark.parametrize("request_id", [0, 5, 127, 128, 255, 256, 70_000, 2**33])
+def test_the_trace_reads_a_reply_prefix_as_the_writer_packs_it(request_id):
+    assert serve_trace.protocol_id(data_prefix(request_id)) == request_id
+
+
+@pytest.mark.slow  # the mock daemon and a handler process
+def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
+    model, trace = tiny_model(tmp_path / "tiny"), tmp_path / "trace.json"
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
+               "--prompt-len", "32", "--output-len", "8", "--concurrency", "3", "--num-prompts", "6",
+               "--trace", str(trace)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(trace) as f:
+        recorded = json.load(f)
+    requests, encodings = serve_trace.chat_requests(recorded["events"])
+    assert len(requests) == len(encodings) == 7  # the warm-up and six
+    for request in requests:
+        assert request["dispatch"] < request["submit"] < request["add"] < request["first"] < request["sent"]
+    assert sum(1 for _, _, launches in recorded["steps"] if launches) >= 2 * 8  # two rounds of three, 8 tokens

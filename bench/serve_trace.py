@@ -1,0 +1,120 @@
+"""Reads the served handler's trace (bench/serve.py --trace FILE, written by bench/handler_trace/sitecustomize.py)
+and prints where each group of chat requests spent its time to the first token, when the requests of the group
+reached each stage, the engine's steps by kind (and the time before each, from the previous one's end: host work,
+or idle), and what stalled it: garbage
+collections over 2 ms, Triton compilations, and each thread's CPU time per step in the busiest seconds.
+
+    python bench/serve_trace.py FILE [--groups warm-up:1,c1:16,c16:64]   # requests in the order they came
+"""
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+from step_trace import kind_of, sort_key
+
+STAGES = (("dispatch", "submit"), ("submit", "add"), ("add", "first"), ("first", "sent"), ("dispatch", "sent"))
+
+
+def chat_requests(events: list) -> tuple[list[dict], list[float]]:
+    """Each chat request's stage times, in the order the daemon sent them, and every encoding's duration."""
+    requests, by_engine_id, by_protocol_id, encoding, encodings = [], {}, {}, {}, []
+    for t, kind, key in events:
+        if kind == "dispatch":
+            requests.append({"dispatch": t})
+            by_protocol_id[key] = requests[-1]
+        elif kind == "encode_start":
+            encoding[key] = t
+        elif kind == "encode_end":
+            encodings.append(t - encoding.pop(key))
+        elif kind == "submit":  # a request's first choice; the others share its stages
+            request = next((r for r in requests if "submit" not in r), None)
+            if request is not None:
+                request["submit"] = t
+                by_engine_id[key] = request
+        elif kind in ("add", "first") and key in by_engine_id:
+            by_engine_id[key].setdefault(kind, t)
+        elif kind == "sent":
+            request = by_protocol_id.get(protocol_id(bytes.fromhex(key)))
+            if request is not None:
+                request.setdefault("sent", t)
+    return [r for r in requests if "first" in r and "sent" in r], encodings
+
+
+def protocol_id(prefix: bytes) -> int:
+    """The request id in a data reply's MessagePack prefix: {"id": <uint>, "data": ...}, the id after 0x82 a2 'id'."""
+    marker = prefix[4]
+    if marker < 0x80:
+        return marker
+    size = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}[marker]
+    return int.from_bytes(prefix[5:5 + size], "big")
+
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f}"
+
+
+def print_group(name: str, requests: list[dict]) -> None:
+    medians = "  ".join(f"{a}->{b} {ms(statistics.median(r[b] - r[a] for r in requests))}" for a, b in STAGES)
+    print(f"{name}: {len(requests)} requests; median ms: {medians}")
+    start = requests[0]["dispatch"]
+    for stage in ("dispatch", "submit", "add", "first"):
+        times = sorted(r[stage] - start for r in requests)
+        quartiles = [ms(times[round(q * (len(times) - 1))]) for q in (0, 0.25, 0.5, 0.75, 1)]
+        print(f"  {stage:8} reached at ms (min, quartiles, max) {', '.join(quartiles)}")
+
+
+def print_steps(steps: list) -> None:
+    rows = defaultdict(lambda: [0, 0.0, 0.0])
+    for previous, (start, end, launches) in zip([None, *steps], steps):
+        row = rows[kind_of([tuple(launch) for launch in launches])]
+        row[0] += 1
+        row[1] += end - start
+        row[2] += start - previous[1] if previous else 0.0
+    print(f"{'step kind':24} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'ms before':>9}")
+    for kind in sorted(rows, key=sort_key):
+        count, seconds, between = rows[kind]
+        print(f"{kind:24} {count:6d} {seconds:8.3f} {1e3 * seconds / count:8.3f} {1e3 * between / count:9.3f}")
+
+
+def print_stalls(trace: dict, serving_from: float) -> None:
+    gcs = [(t - serving_from, seconds, generation) for t, seconds, generation in trace["gcs"]
+           if seconds > 0.002 and t >= serving_from]
+    print("garbage collections over 2 ms while serving (s from the first request, ms, generation):",
+          [(round(t, 2), round(1e3 * seconds, 1), generation) for t, seconds, generation in gcs] or "none")
+    compiles = [(round(t - serving_from, 2), name) for t, name in trace["compiles"] if t >= serving_from]
+    print("Triton compilations while serving:", compiles or "none")
+    samples = trace["cpu"]
+    busy = sorted(zip(samples, samples[1:]), key=lambda pair: pair[1][1] - pair[0][1], reverse=True)[:3]
+    for (t0, steps0, cpu0), (t1, steps1, cpu1) in sorted(busy):
+        if steps1 > steps0:
+            per_step = {name: ms((cpu1[name] - cpu0.get(name, 0.0)) / (steps1 - steps0)) for name in cpu1
+                        if cpu1[name] > cpu0.get(name, 0.0)}
+            print(f"  {t0 - serving_from:6.1f}-{t1 - serving_from:.1f} s: {steps1 - steps0} steps, "
+                  f"{ms((t1 - t0) / (steps1 - steps0))} ms each; CPU ms per step by thread {per_step}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--groups", default="", help="NAME:COUNT,... consecutive groups of requests (default: one)")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        trace = json.load(f)
+    requests, encodings = chat_requests(trace["events"])
+    if not requests:
+        raise SystemExit(f"{args.trace} holds no finished chat request")
+    print(f"{len(requests)} chat requests, {len(trace['steps'])} steps; encoding ms median "
+          f"{ms(statistics.median(encodings))}, max {ms(max(encodings))}")
+    groups = [(name, int(count)) for name, count in (g.split(":") for g in args.groups.split(",") if g)]
+    start = 0
+    for name, count in groups or [("all", len(requests))]:
+        if requests[start:start + count]:
+            print_group(name, requests[start:start + count])
+        start += count
+    print_steps(trace["steps"])
+    print_stalls(trace, requests[0]["dispatch"])
+
+
+if __name__ == "__main__":
+    main()
