@@ -70,8 +70,11 @@ DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
 FP8_DECODE_TILES = DecodeTiles(block_n=128, num_warps=4, num_stages=2)
 
 
-def decode_tiles(cache_dtype: torch.dtype) -> DecodeTiles:
-    return FP8_DECODE_TILES if cache_dtype == FP8 else DECODE_TILES
+def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTiles:
+    """FP8 tiles hold twice the keys in the bytes of 16-bit ones, as 16-bit MMA operands once converted. Float32
+    queries convert the keys to float32, twice those bytes again, so they keep the 16-bit cache's tiles: with
+    FP8's, the H100 computed wrong outputs (3 splits, 8 query heads per KV head, head_dim 128)."""
+    return FP8_DECODE_TILES if cache_dtype == FP8 and query_dtype != torch.float32 else DECODE_TILES
 
 
 @triton.jit
@@ -489,7 +492,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     block_size = _check_cache(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     group = _check_gqa(num_q_heads, num_kv_heads)
-    tiles = tiles or decode_tiles(k_cache.dtype)
+    tiles = tiles or decode_tiles(k_cache.dtype, q.dtype)
     if num_splits is None:
         longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
         num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device, tiles.min_split_keys)

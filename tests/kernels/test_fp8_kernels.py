@@ -15,8 +15,11 @@ from kernel_testing import (
 import kernels
 from kernels import reference
 from kernels.triton_attention import (
+    DECODE_TILES,
+    FP8_DECODE_TILES,
     DecodeTiles,
     decode_attention,
+    decode_tiles,
     paged_attention,
     qkv_decode_attention,
 )
@@ -128,6 +131,14 @@ def test_decode(head_dim, block_size, num_q_heads, num_kv_heads, num_splits):
                            v_scale=v_scale)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
     assert_close(out, expected, torch.float32)
+
+
+def test_float32_queries_keep_the_16_bit_tiles():
+    """They convert the keys to float32, so FP8's 128-key tiles would take twice a 16-bit tile's bytes (and gave wrong
+    outputs on the H100: test_decode[128-16-8-1-3])."""
+    assert decode_tiles(FP8, torch.float32) == DECODE_TILES
+    assert decode_tiles(FP8, torch.bfloat16) == decode_tiles(FP8, torch.float16) == FP8_DECODE_TILES
+    assert decode_tiles(torch.bfloat16, torch.bfloat16) == DECODE_TILES
 
 
 def test_reference_reads_keys_and_values_times_their_scales():
