@@ -1,28 +1,30 @@
 """Reads the served handler's trace (bench/serve.py --trace FILE, written by bench/handler_trace/sitecustomize.py)
 and prints where each group of chat requests spent its time to the first token, when the requests of the group
 reached each stage, the engine's steps by kind (and the time before each, from the previous one's end: host work,
-or idle), and what stalled it: garbage
-collections over 2 ms, Triton compilations, and each thread's CPU time per step in the busiest seconds.
+or idle), and what stalled it: garbage collections longer than STALL_S, Triton compilations, and each thread's CPU
+time per step in the busiest seconds.
 
-    python bench/serve_trace.py FILE [--groups warm-up:1,c1:16,c16:64]   # requests in the order they came
+    PYTHONPATH=. python3 bench/serve_trace.py FILE [--groups warm-up:1,c1:16,c16:64]   # requests as they came
 """
 import argparse
 import json
 import statistics
 from collections import defaultdict
 
+from daemon_protocol.writer import data_prefix
 from step_trace import kind_of, sort_key
 
+STALL_S = 0.002  # a garbage collection is listed when it holds the GIL longer than this: a visible share of a step
 STAGES = (("dispatch", "submit"), ("submit", "add"), ("add", "first"), ("first", "sent"), ("dispatch", "sent"))
 
 
 def chat_requests(events: list) -> tuple[list[dict], list[float]]:
     """Each chat request's stage times, in the order the daemon sent them, and every encoding's duration."""
-    requests, by_engine_id, by_protocol_id, encoding, encodings = [], {}, {}, {}, []
+    requests, by_engine_id, by_reply_prefix, encoding, encodings = [], {}, {}, {}, []
     for t, kind, key in events:
         if kind == "dispatch":
             requests.append({"dispatch": t})
-            by_protocol_id[key] = requests[-1]
+            by_reply_prefix[data_prefix(key).hex()] = requests[-1]
         elif kind == "encode_start":
             encoding[key] = t
         elif kind == "encode_end":
@@ -35,19 +37,10 @@ def chat_requests(events: list) -> tuple[list[dict], list[float]]:
         elif kind in ("add", "first") and key in by_engine_id:
             by_engine_id[key].setdefault(kind, t)
         elif kind == "sent":
-            request = by_protocol_id.get(protocol_id(bytes.fromhex(key)))
+            request = by_reply_prefix.get(key)
             if request is not None:
                 request.setdefault("sent", t)
     return [r for r in requests if "first" in r and "sent" in r], encodings
-
-
-def protocol_id(prefix: bytes) -> int:
-    """The request id in a data reply's MessagePack prefix: {"id": <uint>, "data": ...}, the id after 0x82 a2 'id'."""
-    marker = prefix[4]
-    if marker < 0x80:
-        return marker
-    size = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}[marker]
-    return int.from_bytes(prefix[5:5 + size], "big")
 
 
 def ms(seconds: float) -> str:
@@ -79,8 +72,8 @@ def print_steps(steps: list) -> None:
 
 def print_stalls(trace: dict, serving_from: float) -> None:
     gcs = [(t - serving_from, seconds, generation) for t, seconds, generation in trace["gcs"]
-           if seconds > 0.002 and t >= serving_from]
-    print("garbage collections over 2 ms while serving (s from the first request, ms, generation):",
+           if seconds > STALL_S and t >= serving_from]
+    print(f"garbage collections over {1e3 * STALL_S:g} ms while serving (s from the first request, ms, generation):",
           [(round(t, 2), round(1e3 * seconds, 1), generation) for t, seconds, generation in gcs] or "none")
     compiles = [(round(t - serving_from, 2), name) for t, name in trace["compiles"] if t >= serving_from]
     print("Triton compilations while serving:", compiles or "none")

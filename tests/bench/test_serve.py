@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, Qwen3Config
 
-from daemon_protocol.writer import data_prefix
 from random_decoders import save_random_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,11 +48,6 @@ def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
         cells = row.split()
         assert cells[:3] == ["concurrency", str(concurrency), "6"]
         assert all(float(cell.replace(",", "")) > 0 for cell in cells[3:]), row
-
-
-@pytest.mark.parametrize("request_id", [0, 5, 127, 128, 255, 256, 70_000, 2**33])
-def test_the_trace_reads_a_reply_prefix_as_the_writer_packs_it(request_id):
-    assert serve_trace.protocol_id(data_prefix(request_id)) == request_id
 
 
 @pytest.mark.slow  # the mock daemon and a handler process

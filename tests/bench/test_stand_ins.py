@@ -40,7 +40,6 @@ def test_teacher_forced_engine_logits_are_transformers_logits(tmp_path):
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
 
 
-
 class RecordingTransport(handler_loop.CountingTransport):
     def __init__(self):
         super().__init__()
