@@ -24,6 +24,9 @@ The served copy of the model (in a temporary folder) links its weights and adds 
 the word "w<i>" and the chat template is the messages' content, so a prompt of N random token ids travels as N
 words and reaches the engine as exactly those N ids, as bench/throughput.py gives them. Speed depends on shapes,
 not on which ids. Runs on CPU too (--device cpu, a tiny model, small lengths) as a smoke test.
+
+The client builds every request body and opens its connections (as many as it will have in flight) before the
+clock starts, as a client with a connection pool has them: what is timed is the server.
 """
 import argparse
 import asyncio
@@ -48,6 +51,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 MAX_PROMPT_ID = 10000  # prompt ids are drawn below this, as the Nano-vLLM workload does
 DEFAULT_MAX_BATCHED_TOKENS = 8192  # the handler's default (engine/config.py)
 STARTUP_TIMEOUT_S = 1800.0
+JSON = {"Content-Type": "application/json"}
 
 
 # The served model: the weights with a word-level tokenizer
@@ -160,14 +164,19 @@ class Result:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-async def stream_chat(session: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_tokens: int,
-                      temperature: float) -> Result:
+def chat_body(prompt_ids: list[int], max_tokens: int, temperature: float) -> bytes:
+    """A streamed chat request as JSON bytes, built before the clock starts: the client must not be what is
+    measured."""
+    return json.dumps({"messages": [{"role": "user", "content": prompt_text(prompt_ids)}], "max_tokens": max_tokens,
+                       "temperature": temperature, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, max_tokens: int) -> Result:
     """One streamed chat completion; the time of every chunk with content and the usage of the last one. SSE
-    lines are checked as bytes and only the usage line is parsed: the client must not be what is measured."""
-    body = {"messages": [{"role": "user", "content": prompt_text(prompt_ids)}], "max_tokens": max_tokens,
-            "temperature": temperature, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    lines are checked as bytes and only the usage line is parsed."""
     result = Result(time.perf_counter())
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+    async with session.post(f"{url}/v1/chat/completions", data=body, headers=JSON) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
         async for line in response.content:
@@ -202,22 +211,34 @@ class Level:
 async def run_requests(session, url: str, requests: list[tuple[list[int], int, float]], concurrency: int | None,
                        request_rate: float | None, seed: int) -> tuple[list[Result], float]:
     """Every request, at most `concurrency` in flight, arriving as a Poisson process of `request_rate` per second
-    when given (all at once otherwise); (results, wall seconds)."""
+    when given (all at once otherwise); (results, wall seconds). The bodies are built and the connections opened
+    before the clock starts, as a client with a connection pool has them."""
     limit = asyncio.Semaphore(concurrency or len(requests))
     arrivals = random.Random(seed)
+    bodies = [(chat_body(*request), request[1]) for request in requests]
+    await open_connections(session, url, min(concurrency or len(requests), len(requests)))
 
-    async def one(request):
+    async def one(body, max_tokens):
         async with limit:
-            return await stream_chat(session, url, *request)
+            return await stream_chat(session, url, body, max_tokens)
 
     started = time.perf_counter()
     tasks = []
-    for request in requests:
-        tasks.append(asyncio.create_task(one(request)))
+    for body in bodies:
+        tasks.append(asyncio.create_task(one(*body)))
         if request_rate:
             await asyncio.sleep(arrivals.expovariate(request_rate))
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
+
+
+async def open_connections(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    """`count` keep-alive connections in the session's pool (concurrent requests each open one)."""
+    async def probe():
+        async with session.get(f"{url}/health") as response:
+            await response.read()
+
+    await asyncio.gather(*(probe() for _ in range(count)))
 
 
 def random_requests(count: int, prompt_len: int, output_len: int, rng: random.Random) -> list:
@@ -229,7 +250,7 @@ async def latency_levels(server: Server, args) -> list[Level]:
     levels = []
     async with client_session() as session:
         await wait_for_health(session, server)
-        await stream_chat(session, server.url, [1, 2, 3], 8, 0.0)  # warm-up
+        await stream_chat(session, server.url, chat_body([1, 2, 3], 8, 0.0), 8)  # warm-up
         runs = [(None, args.request_rate)] if args.request_rate else [(c, None) for c in args.concurrency]
         for concurrency, rate in runs:
             count = args.num_prompts or max(16, 4 * (concurrency or 1))
@@ -263,7 +284,7 @@ async def served_workload(server: Server, num_seqs: int) -> tuple[int, float]:
     requests = [(prompt, p.max_tokens, p.temperature) for prompt, p in zip(prompts, params)]
     async with client_session() as session:
         await wait_for_health(session, server)
-        await stream_chat(session, server.url, [1, 2, 3], 8, 0.0)
+        await stream_chat(session, server.url, chat_body([1, 2, 3], 8, 0.0), 8)
         results, seconds = await run_requests(session, server.url, requests, None, None, 0)
     return sum(r.output_tokens for r in results), seconds
 

@@ -19,8 +19,10 @@ STAGES = (("dispatch", "submit"), ("submit", "add"), ("add", "first"), ("first",
 
 
 def chat_requests(events: list) -> tuple[list[dict], list[float]]:
-    """Each chat request's stage times, in the order the daemon sent them, and every encoding's duration."""
-    requests, by_engine_id, by_reply_prefix, encoding, encodings = [], {}, {}, {}, []
+    """Each chat request's stage times, in the order the daemon sent them, and every encoding's duration. The
+    handler numbers its requests in the order they are dispatched (chat-N, its choices chat-N/i) and encodes them in
+    parallel, so the n-th smallest N is the n-th dispatch, whatever order the submissions came in."""
+    requests, by_engine_id, by_reply_prefix, encoding, encodings, submits = [], {}, {}, {}, [], []
     for t, kind, key in events:
         if kind == "dispatch":
             requests.append({"dispatch": t})
@@ -29,17 +31,18 @@ def chat_requests(events: list) -> tuple[list[dict], list[float]]:
             encoding[key] = t
         elif kind == "encode_end":
             encodings.append(t - encoding.pop(key))
-        elif kind == "submit":  # a request's first choice; the others share its stages
-            request = next((r for r in requests if "submit" not in r), None)
-            if request is not None:
-                request["submit"] = t
-                by_engine_id[key] = request
-        elif kind in ("add", "first") and key in by_engine_id:
-            by_engine_id[key].setdefault(kind, t)
+        elif kind == "submit" and key.partition("/")[2] in ("", "0"):  # a request's first choice
+            submits.append((int(key.partition("/")[0].removeprefix("chat-")), t, key))
         elif kind == "sent":
             request = by_reply_prefix.get(key)
             if request is not None:
                 request.setdefault("sent", t)
+    for request, (_, t, key) in zip(requests, sorted(submits)):
+        request["submit"] = t
+        by_engine_id[key] = request
+    for t, kind, key in events:
+        if kind in ("add", "first") and key in by_engine_id:
+            by_engine_id[key].setdefault(kind, t)
     return [r for r in requests if "first" in r and "sent" in r], encodings
 
 

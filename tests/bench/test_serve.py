@@ -1,5 +1,6 @@
 """bench/serve.py runs end to end on CPU with a tiny model, and its premise holds: a prompt of random token ids
 sent as words through the chat API reaches the engine as exactly those ids."""
+import asyncio
 import json
 import subprocess
 import sys
@@ -65,3 +66,48 @@ def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
     for request in requests:
         assert request["dispatch"] < request["submit"] < request["add"] < request["first"] < request["sent"]
     assert sum(1 for _, _, launches in recorded["steps"] if launches) >= 2 * 8  # two rounds of three, 8 tokens
+
+
+def test_requests_reuse_connections_opened_before_the_clock():
+    """Every timed chat request travels on a connection the client opened before it started the clock, so the
+    benchmark does not time its own connection setup."""
+    from aiohttp import web
+
+    seen = []  # (route, the client's port)
+
+    async def health(request):
+        seen.append(("health", request.transport.get_extra_info("peername")[1]))
+        return web.Response(text="ok")
+
+    async def chat(request):
+        body = json.loads(await request.read())
+        seen.append(("chat", request.transport.get_extra_info("peername")[1]))
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await asyncio.sleep(0.05)  # all requests in flight at once
+        for _ in range(body["max_tokens"]):
+            await response.write(b'data: {"choices":[{"delta":{"content":"w"}}]}\n\n')
+        await response.write(b'data: {"usage":{"completion_tokens":%d}}\n\n' % body["max_tokens"])
+        return response
+
+    async def run():
+        app = web.Application()
+        app.add_routes([web.get("/health", health), web.post("/v1/chat/completions", chat)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with serve.client_session() as session:
+                requests = [([1, 2, 3], 2, 0.0)] * 6
+                results, _ = await serve.run_requests(session, url, requests, None, None, 0)
+        finally:
+            await runner.cleanup()
+        return results
+
+    results = asyncio.run(run())
+    assert [r.output_tokens for r in results] == [2] * 6
+    opened = {port for route, port in seen if route == "health"}
+    chats = [port for route, port in seen if route == "chat"]
+    assert len(chats) == 6 and set(chats) <= opened and len(set(chats)) == 6
