@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/serve.py                              # concurrency 1, 16, 64, 256
     PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400
-    PYTHONPATH=. python3 bench/serve.py --workload nanovllm          # served against bench/throughput.py
+    PYTHONPATH=. python3 bench/serve.py --workload nanovllm --repeat 3   # served against bench/throughput.py
     PYTHONPATH=. python3 bench/serve.py --trace t.json && python3 bench/serve_trace.py t.json   # inside the handler
 
 Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` on a model's weights (random
@@ -18,7 +18,8 @@ max_tokens:
 - `--workload nanovllm`: bench/throughput.py's workload (256 requests, 133,966 output tokens, temperature 0.6),
   all sent at once after one warm-up request; output tokens/s over the wall time, then bench/throughput.py on the
   same weights with the same token budget per step (the server is stopped first: one engine per GPU), and the
-  ratio of the two.
+  ratio of the two. With --repeat N both run N times (the served prompts shifted each time, so that none hits
+  the prefix cache) and the ratio is of the medians: one run of either varies by several percent on some hosts.
 
 The served copy of the model (in a temporary folder) links its weights and adds a word-level tokenizer: token i is
 the word "w<i>" and the chat template is the messages' content, so a prompt of N random token ids travels as N
@@ -34,6 +35,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -276,27 +278,36 @@ def client_session() -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
 
 
-async def served_workload(server: Server, num_seqs: int) -> tuple[int, float]:
-    """bench/throughput.py's workload through HTTP, all at once after a warm-up; (output tokens, seconds)."""
+async def served_workload(server: Server, num_seqs: int, repeat: int) -> list[tuple[int, float]]:
+    """bench/throughput.py's workload through HTTP, all at once after a warm-up, `repeat` times; each time's
+    (output tokens, seconds). Repeat r adds r to every prompt id: the same shapes, and no prefix-cache hits on the
+    earlier repeats' prompts."""
     from throughput import workload
 
     prompts, params = workload(num_seqs)
-    requests = [(prompt, p.max_tokens, p.temperature) for prompt, p in zip(prompts, params)]
+    runs = []
     async with client_session() as session:
         await wait_for_health(session, server)
         await stream_chat(session, server.url, chat_body([1, 2, 3], 8, 0.0), 8)
-        results, seconds = await run_requests(session, server.url, requests, None, None, 0)
-    return sum(r.output_tokens for r in results), seconds
+        for r in range(repeat):
+            requests = [([(i + r) % MAX_PROMPT_ID for i in prompt], p.max_tokens, p.temperature)
+                        for prompt, p in zip(prompts, params)]
+            results, seconds = await run_requests(session, server.url, requests, None, None, 0)
+            runs.append((sum(result.output_tokens for result in results), seconds))
+            print(f"served run {r + 1}: {runs[-1][0]:,} output tokens in {seconds:.2f} s = "
+                  f"{runs[-1][0] / seconds:,.0f} tok/s", flush=True)
+    return runs
 
 
-def offline_throughput(model: str, max_batched_tokens: int, num_seqs: int) -> float:
-    """bench/throughput.py on the same weights and token budget per step; its tokens/s."""
+def offline_throughput(model: str, max_batched_tokens: int, num_seqs: int, repeat: int) -> list[float]:
+    """bench/throughput.py on the same weights and token budget per step, `repeat` times in one process; each
+    time's tokens/s."""
     command = [sys.executable, str(HERE / "throughput.py"), "--model", model, "--num-seqs", str(num_seqs),
-               "--config", f"max_num_batched_tokens={max_batched_tokens}"]
+               "--repeat", str(repeat), "--config", f"max_num_batched_tokens={max_batched_tokens}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     output = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     print(output.strip())
-    return float(re.findall(r"throughput ([\d,]+) tok/s", output)[-1].replace(",", ""))
+    return [float(found.replace(",", "")) for found in re.findall(r"throughput ([\d,]+) tok/s", output)]
 
 
 # Report
@@ -345,7 +356,10 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256, help="nanovllm: requests of the workload")
     parser.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
                         help="the engine's token budget per step, served and offline alike")
-    parser.add_argument("--offline-tok-s", type=float, help="nanovllm: the offline number, instead of running it")
+    parser.add_argument("--repeat", type=int, default=1, help="nanovllm: runs served (one server) and offline (one "
+                                                               "process); the ratio is of their medians")
+    parser.add_argument("--offline-tok-s", type=float, nargs="+",
+                        help="nanovllm: the offline numbers, instead of running it")
     parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
@@ -368,16 +382,17 @@ def main() -> None:
                 print(HEADER, flush=True)
                 levels = asyncio.run(latency_levels(server, args))
             else:
-                tokens, seconds = asyncio.run(served_workload(server, args.num_seqs))
+                runs = asyncio.run(served_workload(server, args.num_seqs, args.repeat))
         finally:
             server.stop()
     if args.workload == "latency":
         print("\nsummary\n" + HEADER + "\n" + "\n".join(level_row(level) for level in levels))
         return
-    served = tokens / seconds
-    offline = args.offline_tok_s or offline_throughput(str(model), args.max_batched_tokens, args.num_seqs)
-    print(f"\nnanovllm workload, {model.name}, max_num_batched_tokens {args.max_batched_tokens}\n"
-          f"served {tokens:,} output tokens in {seconds:.2f} s = {served:,.0f} tok/s; offline {offline:,.0f} tok/s; "
+    served = statistics.median(tokens / seconds for tokens, seconds in runs)
+    offline = statistics.median(args.offline_tok_s or
+                                offline_throughput(str(model), args.max_batched_tokens, args.num_seqs, args.repeat))
+    print(f"\nnanovllm workload, {model.name}, max_num_batched_tokens {args.max_batched_tokens}, medians of "
+          f"{args.repeat}\nserved {served:,.0f} tok/s; offline {offline:,.0f} tok/s; "
           f"served/offline {served / offline:.1%}")
 
 

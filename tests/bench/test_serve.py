@@ -2,6 +2,7 @@
 sent as words through the chat API reaches the engine as exactly those ids."""
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import serve  # noqa: E402  (bench/ is not a package)
 import serve_trace  # noqa: E402
 
 TINY = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 
 
 def tiny_model(path: Path) -> Path:
@@ -49,6 +50,20 @@ def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
         cells = row.split()
         assert cells[:3] == ["concurrency", str(concurrency), "6"]
         assert all(float(cell.replace(",", "")) > 0 for cell in cells[3:]), row
+
+
+@pytest.mark.slow  # the mock daemon, a handler process and bench/throughput.py
+def test_the_nanovllm_workload_is_repeated_served_and_offline(tmp_path):
+    model = tiny_model(tmp_path / "tiny")
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
+               "--workload", "nanovllm", "--num-seqs", "3", "--repeat", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    served = re.findall(r"served run \d: ([\d,]+) output tokens", result.stdout)
+    offline = re.findall(r"output tokens (\d+) .* throughput ([\d,]+) tok/s", result.stdout)
+    assert len(served) == len(offline) == 2 and {int(s.replace(",", "")) for s in served} == {int(offline[0][0])}
+    assert re.search(r"medians of 2\nserved [\d,]+ tok/s; offline [\d,]+ tok/s; served/offline \d+\.\d%",
+                     result.stdout)
 
 
 @pytest.mark.slow  # the mock daemon and a handler process
