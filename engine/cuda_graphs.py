@@ -3,9 +3,12 @@
 A pure-decode step replays the graph of the next batch size up on a ladder, padded with one-token rows that
 write to slot -1 and read one key. Any other step of at most PREFILL_GRAPH_MAX_TOKENS tokens replays the graph
 of the next token count up, padded with empty rows to max_num_seqs and with tokens that no row owns (slot -1,
-never attended): an eager forward costs more host time than a prefill of that size takes on the GPU. A graph
-reads its inputs from the step buffers at fixed addresses (engine/step_inputs.py) and writes its hidden
-states into one shared output tensor.
+never attended). Small prefills need it because an eager forward costs more host time than they take on the GPU;
+large ones because a served engine shares its host with the event loop and the encoding threads, and an eager
+forward's launches, each taking the GIL again, stretch the step while a burst of requests arrives. The token
+counts alternate 2^k and 1.5 x 2^k, so padding adds at most half a step's tokens. A graph reads its inputs from
+the step buffers at fixed addresses (engine/step_inputs.py) and writes its hidden states into one shared output
+tensor.
 """
 import bisect
 from collections.abc import Callable
@@ -16,7 +19,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig
 
-PREFILL_GRAPH_MAX_TOKENS = 2048  # past this a prefill's GPU time covers its launches, and padding costs more
+PREFILL_GRAPH_MAX_TOKENS = 8192  # the handler's token budget per step; larger steps (offline LLM) run eagerly
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class CudaGraphs:
         self.max_num_seqs = max_size = config.max_num_seqs
         self.decode_sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 8), max_size] if s <= max_size})
         most = min(config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)  # 16, 24, 32, 48, 64, ..., most
-        self.prefill_tokens = sorted({t for t in [*(m << e for e in range(3, 11) for m in (2, 3)), most]
+        self.prefill_tokens = sorted({t for t in [*(m << e for e in range(3, most.bit_length()) for m in (2, 3)), most]
                                       if t <= most})
         self.captured: dict[GraphShape, torch.cuda.CUDAGraph] = {}  # empty: every step runs eagerly
         self.hidden: Tensor | None = None  # the hidden states every graph writes, [largest graph's tokens, H]

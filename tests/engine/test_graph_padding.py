@@ -5,7 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs, GraphShape
+from engine.cuda_graphs import PREFILL_GRAPH_MAX_TOKENS, CudaGraphs, GraphShape
 from kernels import AttentionMetadata
 
 NEW = 24
@@ -66,7 +66,8 @@ def test_graph_choice():
     padded to max_num_seqs); past PREFILL_GRAPH_MAX_TOKENS or max_num_batched_tokens, eager."""
     graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=4096))
     assert graphs.decode_sizes == [1, 2, 4, 8, 16, 24, 32]
-    assert graphs.prefill_tokens == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert graphs.prefill_tokens == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+                                     4096]
     assert graphs.shape_for([1] * 5) is None  # nothing captured: every step runs eagerly
     graphs.captured = dict.fromkeys(graphs.shapes())
     assert graphs.shape_for([1] * 5) == GraphShape(8, 8, is_decode=True)
@@ -74,8 +75,12 @@ def test_graph_choice():
     assert graphs.shape_for([1024]) == GraphShape(1024, 32, is_decode=False)
     assert graphs.shape_for([1, 1, 30]) == GraphShape(32, 32, is_decode=False)
     assert graphs.shape_for([1030, 1, 1]) == GraphShape(1536, 32, is_decode=False)
-    assert graphs.shape_for([2049]) is None
+    assert graphs.shape_for([2049]) == GraphShape(3072, 32, is_decode=False)
+    assert graphs.shape_for([4000, 96]) == GraphShape(4096, 32, is_decode=False)
+    assert graphs.shape_for([4097]) is None
     assert graphs.shape_for([1] * 33) is None
+    offline = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=16384))
+    assert offline.prefill_tokens[-4:] == [3072, 4096, 6144, PREFILL_GRAPH_MAX_TOKENS] == [3072, 4096, 6144, 8192]
 
 
 def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
