@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400
     PYTHONPATH=. python3 bench/serve.py --workload nanovllm --repeat 3   # served against bench/throughput.py
     PYTHONPATH=. python3 bench/serve.py --trace t.json && python3 bench/serve_trace.py t.json   # inside the handler
+    PYTHONPATH=. python3 bench/serve.py --trace t.json --trace-stacks ...  # and the engine thread's stacks
 
 Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` on a model's weights (random
 Qwen3-0.6B-shaped ones unless --model names another config under bench/models or a model directory), waits for
@@ -364,7 +365,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
                                                         "read it with bench/serve_trace.py)")
+    parser.add_argument("--trace-stacks", action="store_true",
+                        help="with --trace: also sample the engine thread's stack every millisecond")
     args = parser.parse_args()
+    if args.trace_stacks and not args.trace:
+        parser.error("--trace-stacks samples into the trace: give --trace FILE too")
     sys.path[:0] = [str(HERE), str(ROOT)]  # bench's modules and this checkout's packages
     model = model_path(args.model, args.device)
     env = {"HFENDPOINT_MAX_BATCHED_TOKENS": str(args.max_batched_tokens)}
@@ -372,6 +377,8 @@ def main() -> None:
         env["HFENDPOINT_DEVICE"] = args.device
     if args.trace:
         env.update(HANDLER_TRACE_OUT=str(Path(args.trace).resolve()), PYTHONPATH=str(HERE / "handler_trace"))
+        if args.trace_stacks:
+            env["HANDLER_TRACE_STACKS"] = "1"
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
         server = Server(served_model_dir(model, Path(log_dir)), env, Path(log_dir))
         try:

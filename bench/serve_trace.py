@@ -1,15 +1,17 @@
 """Reads the served handler's trace (bench/serve.py --trace FILE, written by bench/handler_trace/sitecustomize.py)
 and prints where each group of chat requests spent its time to the first token, when the requests of the group
 reached each stage, the engine's steps by kind (and the time before each, from the previous one's end: host work,
-or idle), and what stalled it: garbage collections longer than STALL_S, Triton compilations, and each thread's CPU
-time per step in the busiest seconds.
+or idle), and what stalled it: garbage collections longer than STALL_S, Triton compilations, each thread's CPU
+time per step in the busiest seconds, and (with serve.py --trace-stacks) where the engine thread was in the
+slowest steps.
 
     PYTHONPATH=. python3 bench/serve_trace.py FILE [--groups warm-up:1,c1:16,c16:64]   # requests as they came
 """
 import argparse
+import bisect
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from daemon_protocol.writer import data_prefix
 from step_trace import kind_of, sort_key
@@ -90,6 +92,21 @@ def print_stalls(trace: dict, serving_from: float) -> None:
                   f"{ms((t1 - t0) / (steps1 - steps0))} ms each; CPU ms per step by thread {per_step}")
 
 
+def print_slowest_steps(trace: dict, count: int) -> None:
+    """Where the engine thread was in the `count` slowest steps (with --trace-stacks): its three most sampled
+    stacks in each, innermost frame first."""
+    stacks = trace["stacks"]
+    if not stacks["samples"]:
+        return
+    times = [t for t, _ in stacks["samples"]]
+    print(f"the engine thread in the {count} slowest steps (samples of each stack, innermost frame first):")
+    for start, end, launches in sorted(trace["steps"], key=lambda step: step[1] - step[0], reverse=True)[:count]:
+        sampled = stacks["samples"][bisect.bisect_left(times, start):bisect.bisect_right(times, end)]
+        print(f"  {ms(end - start)} ms, launches {launches}:")
+        for index, samples in Counter(index for _, index in sampled).most_common(3):
+            print(f"    {samples:4d} x {stacks['table'][index]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -110,6 +127,7 @@ def main() -> None:
         start += count
     print_steps(trace["steps"])
     print_stalls(trace, requests[0]["dispatch"])
+    print_slowest_steps(trace, 5)
 
 
 if __name__ == "__main__":

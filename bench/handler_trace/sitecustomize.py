@@ -5,7 +5,9 @@ a few of the handler's and the engine's functions to record, with time.perf_coun
   submitted, added to the engine, its first token delivered by the engine thread, its first chunk written;
 - each engine step (start, end, and what it launched: sequences, tokens, context), as bench/step_trace.py does;
 - every Triton compilation, every garbage collection (with its generation), and each thread's CPU time once a
-  second.
+  second;
+- with HANDLER_TRACE_STACKS set, the engine thread's innermost frames every millisecond from the first request on
+  (what a step spends its host time on: an eager forward's launches, a sampler plan, a wait).
 It writes them as JSON to HANDLER_TRACE_OUT when the handler has been quiet for a second and at exit;
 bench/serve_trace.py reads that file."""
 import atexit
@@ -18,7 +20,9 @@ import time
 
 OUT = os.environ.get("HANDLER_TRACE_OUT")
 now = time.perf_counter
-TRACE = {"events": [], "steps": [], "compiles": [], "gcs": [], "cpu": []}
+TRACE = {"events": [], "steps": [], "compiles": [], "gcs": [], "cpu": [], "stacks": {"table": [], "samples": []}}
+STACK_PERIOD_S = 0.001
+STACK_DEPTH = 6
 
 
 def wrap(owner, name: str, make):
@@ -128,6 +132,26 @@ def thread_cpu_seconds() -> dict[str, float]:
     return seconds
 
 
+def sample_engine_stacks() -> None:
+    """The engine thread's innermost STACK_DEPTH frames every STACK_PERIOD_S, from the first request on, each
+    distinct stack stored once in TRACE["stacks"]["table"] and sampled as (time, its index)."""
+    table, stacks = {}, TRACE["stacks"]
+    while not TRACE["events"]:
+        time.sleep(STACK_PERIOD_S)
+    engine = next(thread.ident for thread in threading.enumerate() if thread.name == "engine")
+    while (frame := sys._current_frames().get(engine)) is not None:
+        frames = []
+        while frame is not None and len(frames) < STACK_DEPTH:
+            frames.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}:{frame.f_lineno}")
+            frame = frame.f_back
+        stack = " < ".join(frames)
+        if stack not in table:
+            table[stack] = len(stacks["table"])
+            stacks["table"].append(stack)
+        stacks["samples"].append((now(), table[stack]))
+        time.sleep(STACK_PERIOD_S)
+
+
 def write() -> None:
     with open(OUT + ".partial", "w") as f:
         json.dump(TRACE, f)
@@ -150,3 +174,5 @@ if OUT and sys.orig_argv[1:3] == ["-m", "handler"]:
     install()
     atexit.register(write)
     threading.Thread(target=sample_and_write_when_quiet, name="trace", daemon=True).start()
+    if os.environ.get("HANDLER_TRACE_STACKS"):
+        threading.Thread(target=sample_engine_stacks, name="trace-stacks", daemon=True).start()

@@ -2,6 +2,7 @@
 sent as words through the chat API reaches the engine as exactly those ids."""
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
     model, trace = tiny_model(tmp_path / "tiny"), tmp_path / "trace.json"
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
                "--prompt-len", "32", "--output-len", "8", "--concurrency", "3", "--num-prompts", "6",
-               "--trace", str(trace)]
+               "--trace", str(trace), "--trace-stacks"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(trace) as f:
@@ -81,6 +82,18 @@ def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
     for request in requests:
         assert request["dispatch"] < request["submit"] < request["add"] < request["first"] < request["sent"]
     assert sum(1 for _, _, launches in recorded["steps"] if launches) >= 2 * 8  # two rounds of three, 8 tokens
+    # the engine thread's stacks: sampled while it stepped, and the report names where it was in its slowest step
+    stacks = recorded["stacks"]
+    steps = [index for t, index in stacks["samples"] if any(start <= t <= end for start, end, _ in recorded["steps"])]
+    assert steps and all(0 <= index < len(stacks["table"]) for index in steps)
+    assert any(re.search(r"(engine_core|model_runner|llama|reference)\.py:", stacks["table"][index]) for index in steps)
+    report = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_trace.py"), str(trace)],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'bench'}"})
+    assert report.returncode == 0, report.stderr
+    slowest = report.stdout.split("the engine thread in the 5 slowest steps", 1)[1].splitlines()
+    assert re.fullmatch(r"  [\d.]+ ms, launches .*", slowest[1])
+    assert re.fullmatch(r" +\d+ x \S+\.py:\S+:\d+.*", slowest[2])
 
 
 def test_requests_reuse_connections_opened_before_the_clock():
