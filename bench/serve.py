@@ -227,8 +227,8 @@ async def run_requests(session, url: str, requests: list[tuple[list[int], int, f
 
     started = time.perf_counter()
     tasks = []
-    for body in bodies:
-        tasks.append(asyncio.create_task(one(*body)))
+    for body, max_tokens in bodies:
+        tasks.append(asyncio.create_task(one(body, max_tokens)))
         if request_rate:
             await asyncio.sleep(arrivals.expovariate(request_rate))
     results = await asyncio.gather(*tasks)

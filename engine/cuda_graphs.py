@@ -19,7 +19,9 @@ from torch import Tensor
 
 from engine.config import EngineConfig
 
-PREFILL_GRAPH_MAX_TOKENS = 8192  # the handler's token budget per step; larger steps (offline LLM) run eagerly
+# The handler's token budget per step: every step it builds replays a graph. Larger ones (the offline LLM's) run
+# eagerly, their GPU time covering their launches.
+PREFILL_GRAPH_MAX_TOKENS = EngineConfig.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
