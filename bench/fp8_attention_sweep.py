@@ -2,16 +2,16 @@
 the Qwen3-0.6B shape (16 query / 8 KV heads of 128, blocks of 16) through the fused qkv decode kernel the engine
 runs (prologue, quantizing store, attention), at batch 256, 128, 64, 16 and 1, contexts drawn from [100, 2100]
 (the throughput workload's spread; 1,024 at batch 1). Each FP8 tile configuration (DecodeTiles: keys per tile,
-warps, pipeline stages, fewest keys per split) is checked against the torch reference once, then timed with
-do_bench (L2 flushed before each run). Prints microseconds and TB/s of KV read per configuration and batch, each
-configuration's time summed over the batches (the throughput workload's decode steps are mostly at 128-256),
-and the best, as the line to put in kernels/triton_attention.py. A last table times a prefill step (16 chunks
-of 512 tokens after 0-512 cached ones) and its prologue, bf16 against FP8.
+warps, pipeline stages, fewest keys per split, register cap) is checked against the torch reference once, then
+timed with do_bench (L2 flushed before each run). Prints microseconds and TB/s of KV read per configuration and
+batch, each configuration's time summed over the batches (the throughput workload's decode steps are mostly at
+128-256), and the best, as the line to put in kernels/triton_attention.py. A last table times a prefill step (16
+chunks of 512 tokens after 0-512 cached ones) and its prologue, bf16 against FP8.
 
 Run on a CUDA machine from the repository root: PYTHONPATH=. python3 bench/fp8_attention_sweep.py [--quick] [--tiles
 128,4,1 64,2,2 ...].
-bench/throughput.py and bench/latency.py take the best line's numbers as --decode-tiles N,WARPS,STAGES,MIN_SPLIT
-(use_decode_tiles) to try them end to end."""
+bench/throughput.py and bench/latency.py take the best line's numbers as --decode-tiles
+N,WARPS,STAGES,MIN_SPLIT,MAX_REGISTERS (use_decode_tiles) to try them end to end."""
 import argparse
 import functools
 import itertools
@@ -37,17 +37,17 @@ BATCHES = (256, 128, 64, 16, 1)
 
 
 def parse_tiles(spec: str) -> DecodeTiles:
-    """DecodeTiles from "N,WARPS,STAGES[,MIN_SPLIT]"."""
+    """DecodeTiles from "N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]"."""
     return DecodeTiles(*map(int, spec.split(",")))
 
 
 def add_decode_tiles_argument(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]",
                     help="decode attention's tiles for this cache dtype, as bench/fp8_attention_sweep.py prints them")
 
 
 def use_decode_tiles(spec: str, kv_cache_dtype: str) -> None:
-    """Makes decode over a cache of kv_cache_dtype (auto: 16-bit, or fp8) use the tiles "N,WARPS,STAGES[,MIN_SPLIT]"."""
+    """Makes decode over a cache of kv_cache_dtype (auto: 16-bit, or fp8) use the tiles of spec (parse_tiles)."""
     tiles = parse_tiles(spec)
     setattr(triton_attention, "FP8_DECODE_TILES" if kv_cache_dtype == "fp8" else "DECODE_TILES", tiles)
     print(f"decode tiles for the {kv_cache_dtype} cache: {tiles}", flush=True)
@@ -55,9 +55,10 @@ def use_decode_tiles(spec: str, kv_cache_dtype: str) -> None:
 
 def tile_grid(quick: bool) -> list[DecodeTiles]:
     grid = [DecodeTiles(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3))]
-    grid += [DecodeTiles(128, 4, 2, 512), DecodeTiles(128, 4, 2, 128), DecodeTiles(32, 4, 2)]
+    grid += [DecodeTiles(n, 4, s, 256, r) for n, s, r in itertools.product((32, 64, 128), (2, 3), (96, 128, 168))]
+    grid += [DecodeTiles(64, 4, 3, 512, 128), DecodeTiles(64, 4, 3, 128, 128)]
     if quick:
-        grid = [DecodeTiles(64, 4, 2), DecodeTiles(128, 4, 2), DecodeTiles(256, 8, 2)]
+        grid = [DecodeTiles(64, 4, 2), DecodeTiles(128, 4, 2), DecodeTiles(64, 4, 3, 256, 128)]
     return list(dict.fromkeys([FP8_DECODE_TILES, *grid]))
 
 
@@ -106,7 +107,7 @@ def expected_output(qkv, cos_sin, norms, k_cache, v_cache, meta, scales):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three FP8 tile configurations only")
-    ap.add_argument("--tiles", nargs="+", metavar="N,WARPS,STAGES[,MIN_SPLIT]",
+    ap.add_argument("--tiles", nargs="+", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]",
                     help="the FP8 tile configurations to try instead of the grid")
     args = ap.parse_args()
     random.seed(0)
@@ -115,8 +116,8 @@ def main():
     configs = [("bf16", torch.bfloat16, DECODE_TILES)] + [("fp8", FP8, tiles) for tiles in (
         [parse_tiles(spec) for spec in args.tiles] if args.tiles else tile_grid(args.quick))]
     totals = {index: 0.0 for index in range(len(configs))}
-    print(f"{'batch':>5} {'cache':5} {'block_n':>7} {'warps':>5} {'stages':>6} {'min split':>9} {'us':>8} {'TB/s':>6} "
-          f"{'x bf16':>6} {'max err':>8}")
+    print(f"{'batch':>5} {'cache':5} {'block_n':>7} {'warps':>5} {'stages':>6} {'min split':>9} {'regs':>4} {'us':>8} "
+          f"{'TB/s':>6} {'x bf16':>6} {'max err':>8}")
     for batch in BATCHES:
         lengths = [random.randint(100, 2100) for _ in range(batch)] if batch > 1 else [1024]
         bf16_us = None
@@ -142,7 +143,8 @@ def main():
             totals[index] += us
             kv_bytes = 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
             print(f"{batch:5d} {name:5} {tiles.block_n:7d} {tiles.num_warps:5d} {tiles.num_stages:6d} "
-                  f"{tiles.min_split_keys:9d} {us:8.1f} {kv_bytes / ms / 1e9:6.2f} {bf16_us / us:6.2f} {error:8.1e}",
+                  f"{tiles.min_split_keys:9d} {tiles.max_registers:4d} {us:8.1f} {kv_bytes / ms / 1e9:6.2f} "
+                  f"{bf16_us / us:6.2f} {error:8.1e}",
                   flush=True)
     print(f"\nsummed over batches {', '.join(map(str, BATCHES))} (us):")
     for index, (name, _, tiles) in sorted(enumerate(configs), key=lambda item: totals[item[0]]):

@@ -125,6 +125,9 @@ def main():
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help="top-2 gap (fp32 logits) of a decided position (an FP8 KV cache's rounding moves log-probs "
                          "more than bf16's)")
+    ap.add_argument("--chunk-tokens", type=int, default=128,
+                    help="the engine's max_num_batched_tokens: prefill chunks of this size (past 2,048 on the GPU, the "
+                         "chunks replay the large prefill graphs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu: the engine computes in float32, with FP8 weights dequantized (models/fp8.py)")
     add_fp8_arguments(ap, "the engine serves the model's FP8 copy")
@@ -141,14 +144,14 @@ def main():
         rows.append(("transformers W8A8 fp32 vs unquantized fp32", *compare(ref32, plain32, plain32, margin)))
         rows.append(("transformers unquantized bf16 vs fp32", *compare(plain, plain32, plain32, margin)))
     for eager in (False, True) if args.device.startswith("cuda") else (True,):
-        llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=128, gpu_memory_utilization=0.3,
+        llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=args.chunk_tokens, gpu_memory_utilization=0.3,
                   max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype,
                   device=args.device)
         window = llm.core.block_manager.window
         name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
                 + (", fp8 KV" if args.kv_cache_dtype == "fp8" else ""))
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
-        rows.append((f"{label} ({name}, chunks of 128) vs bf16", *compare(ours, ref, ref32, margin)))
+        rows.append((f"{label} ({name}, chunks of {args.chunk_tokens}) vs bf16", *compare(ours, ref, ref32, margin)))
         rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))
         if args.fp8:
             rows.append((f"{label} ({name}) vs unquantized fp32", *compare(ours, plain32, plain32, margin)))

@@ -17,6 +17,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM
+from engine.config import KV_CACHE_DTYPES
 from latency import random_prompt, run_to_first_token
 from random_model import make_random_model
 from throughput import workload
@@ -75,9 +76,10 @@ def main():
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--varied", action="store_true", help="decode contexts drawn from 100-2,100 tokens")
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also profile an eager prefill step of this size")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
-    core = LLM(path).core
+    core = LLM(path, kv_cache_dtype=args.kv_cache_dtype).core
     runner = core.runner
     for batch in map(int, args.batches.split(",")):
         lengths = [randint(100, 2100) if args.varied else 1024 for _ in range(batch)]

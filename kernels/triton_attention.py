@@ -30,8 +30,8 @@ all of the query's, or in the merge of a decode's splits.
 An FP8 cache (torch.float8_e4m3fn, FP8) holds keys and values divided by their KV head's scale: a program folds
 its head's k_scale into the softmax scale and multiplies its output by v_scale, and converts each tile to float16
 in registers for tl.dot (with float32 queries, to float32); the fused decode prologue stores the new key and
-value quantized (kernels/triton_fp8.py). Decode's tiles may differ by cache dtype (DecodeTiles): keys of one
-byte fill a tile of the same bytes with twice the keys.
+value quantized (kernels/triton_fp8.py). Decode's tiles may differ by cache dtype (DecodeTiles): an FP8
+program caps its registers so that more programs share an SM.
 
 Grids and scratch shapes come from host-side values only (no .item()), so every path can be graph-captured.
 """
@@ -55,25 +55,29 @@ FP8 = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """How decode programs walk their keys: block_n keys per tile, num_warps and num_stages of the launch, and
+    """How decode programs walk their keys: block_n keys per tile, num_warps and num_stages of the launch,
     min_split_keys, the fewest keys that choose_num_splits gives a split (bench/fp8_attention_sweep.py tries
-    others)."""
+    others), and max_registers per thread (0: the compiler's choice), which sets how many programs share an SM."""
     block_n: int
     num_warps: int
     num_stages: int
     min_split_keys: int = MIN_TOKENS_PER_SPLIT
+    max_registers: int = 0
 
 
-# 64 keys of 2 bytes, 4 warps, 2 stages: the fastest at large batches of varied context lengths. An FP8 cache
-# takes tiles of the same bytes: twice the keys.
+# 64 keys of 2 bytes, 4 warps, 2 stages: the fastest at large batches of varied context lengths. A program keeps one
+# tile of keys and values in flight (the block table read makes the copies indirect, so Triton's pipeliner gives
+# them one buffer), so the bytes in flight per SM are the programs it holds times a tile's bytes. An FP8 tile is
+# half the bytes, and converting it for the MMAs takes more registers (the compiler's choice caps the SM at three
+# programs): capped at 128 registers, four programs share an SM.
 DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
-FP8_DECODE_TILES = DecodeTiles(block_n=128, num_warps=4, num_stages=2)
+FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=3, max_registers=128)
 
 
 def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTiles:
-    """FP8 tiles hold twice the keys in the bytes of 16-bit ones, as 16-bit MMA operands once converted. Float32
-    queries convert the keys to float32, twice those bytes again, so they keep the 16-bit cache's tiles: with
-    FP8's, the H100 computed wrong outputs (3 splits, 8 query heads per KV head, head_dim 128)."""
+    """FP8 tiles cap the registers (FP8_DECODE_TILES says why). Float32 queries convert the keys to float32,
+    operands of twice the registers, so they keep the 16-bit cache's uncapped tiles (with FP8 tiles of 128 keys,
+    the H100 once computed wrong outputs: 3 splits, 8 query heads per KV head, head_dim 128)."""
     return FP8_DECODE_TILES if cache_dtype == FP8 and query_dtype != torch.float32 else DECODE_TILES
 
 
@@ -524,6 +528,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
     )
     return out
 

@@ -134,8 +134,8 @@ def test_decode(head_dim, block_size, num_q_heads, num_kv_heads, num_splits):
 
 
 def test_float32_queries_keep_the_16_bit_tiles():
-    """They convert the keys to float32, so FP8's 128-key tiles would take twice a 16-bit tile's bytes (and gave wrong
-    outputs on the H100: test_decode[128-16-8-1-3])."""
+    """They convert the keys to float32, operands of twice the registers, which FP8's register cap would spill (and
+    FP8 tiles of 128 keys gave wrong outputs on the H100: test_decode[128-16-8-1-3])."""
     assert decode_tiles(FP8, torch.float32) == DECODE_TILES
     assert decode_tiles(FP8, torch.bfloat16) == decode_tiles(FP8, torch.float16) == FP8_DECODE_TILES
     assert decode_tiles(torch.bfloat16, torch.bfloat16) == DECODE_TILES
