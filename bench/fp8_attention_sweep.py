@@ -55,10 +55,11 @@ def use_decode_tiles(spec: str, kv_cache_dtype: str) -> None:
 
 def tile_grid(quick: bool) -> list[DecodeTiles]:
     grid = [DecodeTiles(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3))]
-    grid += [DecodeTiles(n, 4, s, 256, r) for n, s, r in itertools.product((32, 64, 128), (2, 3), (96, 128, 168))]
-    grid += [DecodeTiles(64, 4, 3, 512, 128), DecodeTiles(64, 4, 3, 128, 128)]
+    grid += [DecodeTiles(n, 4, s, max_registers=r)
+             for n, s, r in itertools.product((32, 64, 128), (2, 3), (96, 128, 168))]
+    grid += [DecodeTiles(64, 4, 3, 512, max_registers=128), DecodeTiles(64, 4, 3, 128, max_registers=128)]
     if quick:
-        grid = [DecodeTiles(64, 4, 2), DecodeTiles(128, 4, 2), DecodeTiles(64, 4, 3, 256, 128)]
+        grid = [DecodeTiles(64, 4, 2), DecodeTiles(128, 4, 2), DecodeTiles(64, 4, 3, max_registers=128)]
     return list(dict.fromkeys([FP8_DECODE_TILES, *grid]))
 
 

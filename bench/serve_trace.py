@@ -33,8 +33,10 @@ def chat_requests(events: list) -> tuple[list[dict], list[float]]:
             encoding[key] = t
         elif kind == "encode_end":
             encodings.append(t - encoding.pop(key))
-        elif kind == "submit" and key.partition("/")[2] in ("", "0"):  # a request's first choice
-            submits.append((int(key.partition("/")[0].removeprefix("chat-")), t, key))
+        elif kind == "submit":
+            number, _, choice = key.partition("/")
+            if choice in ("", "0"):  # a request's first choice; the others share its stages
+                submits.append((int(number.removeprefix("chat-")), t, key))
         elif kind == "sent":
             request = by_reply_prefix.get(key)
             if request is not None:

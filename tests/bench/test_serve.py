@@ -125,7 +125,7 @@ def test_requests_reuse_connections_opened_before_the_clock():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
             async with serve.client_session() as session:
                 requests = [([1, 2, 3], 2, 0.0)] * 6

