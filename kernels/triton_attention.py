@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
-from kernels.triton_fp8 import dot_operand, e4m3_quantized
+from kernels.triton_fp8 import dot_operand, e4m3_quantized, ptx_conversion, value_operand
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -67,11 +67,11 @@ class DecodeTiles:
 
 # 64 keys of 2 bytes, 4 warps, 2 stages: the fastest at large batches of varied context lengths. A program keeps one
 # tile of keys and values in flight (the block table read makes the copies indirect, so Triton's pipeliner gives
-# them one buffer), so the bytes in flight per SM are the programs it holds times a tile's bytes. An FP8 tile is
-# half the bytes, and converting it for the MMAs takes more registers (the compiler's choice caps the SM at three
-# programs): capped at 128 registers, four programs share an SM.
+# them one buffer), so the bytes in flight per SM are the programs it holds times a tile's bytes. Converting an FP8
+# tile for the MMAs takes registers, which limit the programs per SM: with values converted by PTX (value_operand)
+# 64-key tiles capped at 104 registers were the fastest end to end (bench/RESULTS.md).
 DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
-FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=3, max_registers=128)
+FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2, max_registers=104)
 
 
 def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTiles:
@@ -95,7 +95,7 @@ def _key_rows(table_ptr, key_base, keys, key_mask, BLOCK_SIZE: tl.constexpr, PAG
 def _attend(
     acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i). k_ptr/v_ptr already point at the KV head. Tiles
     start at lo (any key: the block table is read per key), so no key before lo is read.
@@ -103,7 +103,8 @@ def _attend(
     MASK False: every key in range is visible to every row and hi - lo is a multiple of BLOCK_N.
     MASK True: keys >= hi are masked, with CAUSAL so are keys past each row's position, and with WINDOW
     those at or before row_pos - window; a row may then see no key of a tile (its maximum stays -inf).
-    Keys and values are converted to q's dtype (a no-op unless the cache is FP8: see dot_operand).
+    Keys and values are converted to q's dtype (a no-op unless the cache is FP8: see dot_operand), values by PTX
+    when PTX (see value_operand).
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -134,7 +135,8 @@ def _attend(
             v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :], mask=key_mask[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + rows[:, None] * stride_vt + dims[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), value_operand(v, q.dtype, PTX),
+                                          input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -181,7 +183,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -244,10 +246,10 @@ def _decode_kernel(
     # Every key in [lo, hi) is visible (the window is the span): only the last tile needs a mask, for hi.
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
                             lo, full_hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False, False,
-                            DOT_PRECISION)
+                            DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
                             full_hi, hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False, False,
-                            DOT_PRECISION)
+                            DOT_PRECISION, PTX)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     if span <= chunk:  # one split holds the whole span: the output is final
@@ -335,7 +337,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS_BLOCK: tl.constexpr, FP8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -398,13 +400,13 @@ def _prefill_kernel(
     if WINDOW:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
                                 lo, full_lo, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
-                                CAUSAL, WINDOW, DOT_PRECISION)
+                                CAUSAL, WINDOW, DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
                             full_lo, full_hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, False,
-                            CAUSAL, WINDOW, DOT_PRECISION)
+                            CAUSAL, WINDOW, DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
                             full_hi, hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
-                            CAUSAL, WINDOW, DOT_PRECISION)
+                            CAUSAL, WINDOW, DOT_PRECISION, PTX)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
@@ -526,7 +528,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
-        WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8,
+        WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
     )
@@ -559,7 +561,7 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
         DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), FP8=fp8,
-        num_warps=4, num_stages=2, **launch_options(q),
+        PTX=fp8 and ptx_conversion(q.device), num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 

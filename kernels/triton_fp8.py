@@ -2,8 +2,9 @@
 
 A stored element is x / scale (its KV head's scale, IEEE float32 division), saturated to +-448 and rounded to
 the nearest e4m3 value, ties to even: what kernels/reference.py's quantize_kv computes with torch, bit for bit.
-Reading needs nothing of this module: an e4m3 value converts exactly to float16 or float32 with `.to()`, and the
-attention kernels fold the scales into the softmax scale (keys) and the output (values).
+Reading: an e4m3 value converts exactly to float16 or float32, and the attention kernels fold the scales into the
+softmax scale (keys) and the output (values). Compiled for the GPU, values convert by inline PTX (value_operand
+says why); the interpreter, which runs no PTX, converts with `.to()`.
 
 The encoding is integer arithmetic on the float32 bits, not `.to(tl.float8e4nv)`: Triton's interpreter, which
 CI runs the kernels under, rounds that conversion wrongly (a mantissa that rounds up past 7 does not carry into
@@ -11,6 +12,10 @@ the exponent, and ties are not broken to even), while its conversions from e4m3 
 tokens are encoded, so the few integer operations per element cost nothing next to the attention that reads
 the cache.
 """
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -56,3 +61,25 @@ def dot_operand(x, FP8: tl.constexpr):
         if x.dtype != tl.float32:
             x = x.to(tl.float16)
     return x
+
+
+@functools.cache
+def ptx_conversion(device: torch.device) -> bool:
+    """Whether kernels on device convert e4m3 values by inline PTX (value_operand): compiled, not interpreted, for
+    a GPU with e4m3 conversions (compute capability 8.9 or later)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@triton.jit
+def value_operand(v, dtype, PTX: tl.constexpr):
+    """A tile of values [keys, dims] as tl.dot's second operand beside probabilities of dtype. The MMA wants two
+    consecutive keys of one dimension per register, so converting e4m3 in that layout reads shared memory a byte at
+    a time. With PTX (an e4m3 tile) four values convert per instruction pair from wide reads, and the float16 tile
+    reaches the MMA through shared memory. The asm is marked impure: Triton then leaves the conversion where it is
+    instead of moving it into the MMA's layout, which is the point."""
+    if PTX:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    return v.to(dtype)

@@ -1,5 +1,7 @@
 """The FP8 (e4m3) KV cache in the Triton kernels against the torch reference: the quantizing stores (prologue and
 fused decode) bit for bit, and decode, prefill and mixed attention reading the cache with per-KV-head scales."""
+import os
+
 import pytest
 import torch
 from kernel_testing import (
@@ -23,6 +25,7 @@ from kernels.triton_attention import (
     paged_attention,
     qkv_decode_attention,
 )
+from kernels.triton_fp8 import ptx_conversion
 from kernels.triton_prologue import qkv_prologue
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
@@ -131,6 +134,15 @@ def test_decode(head_dim, block_size, num_q_heads, num_kv_heads, num_splits):
                            v_scale=v_scale)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
     assert_close(out, expected, torch.float32)
+
+
+def test_values_convert_by_ptx_only_in_compiled_kernels():
+    """The interpreter runs no PTX: it must convert with `.to()`. Compiled for a GPU with e4m3 conversions, the
+    decode and prefill kernels convert values by PTX (the tests above then check that path on the GPU)."""
+    compiled = os.environ.get("TRITON_INTERPRET") != "1"
+    assert not ptx_conversion(torch.device("cpu"))
+    if torch.cuda.is_available():
+        assert ptx_conversion(torch.device("cuda", 0)) == (compiled and torch.cuda.get_device_capability(0) >= (8, 9))
 
 
 def test_float32_queries_keep_the_16_bit_tiles():
