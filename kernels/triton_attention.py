@@ -528,7 +528,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
-        WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q.device),
+        WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
     )
@@ -561,7 +561,7 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
         DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), FP8=fp8,
-        PTX=fp8 and ptx_conversion(q.device), num_warps=4, num_stages=2, **launch_options(q),
+        PTX=fp8 and ptx_conversion(q), num_warps=4, num_stages=2, **launch_options(q),
     )
     return out
 

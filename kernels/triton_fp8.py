@@ -63,12 +63,16 @@ def dot_operand(x, FP8: tl.constexpr):
     return x
 
 
+def ptx_conversion(tensor: torch.Tensor) -> bool:
+    """Whether kernels on tensor's device convert e4m3 values by inline PTX (value_operand): compiled, not
+    interpreted, for a GPU with e4m3 conversions (compute capability 8.9 or later). Read per launch as
+    launch_options is: `is_cuda` and a device index, no device object."""
+    return tensor.is_cuda and _has_e4m3_ptx(tensor.get_device())
+
+
 @functools.cache
-def ptx_conversion(device: torch.device) -> bool:
-    """Whether kernels on device convert e4m3 values by inline PTX (value_operand): compiled, not interpreted, for
-    a GPU with e4m3 conversions (compute capability 8.9 or later)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+def _has_e4m3_ptx(device_index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 @triton.jit

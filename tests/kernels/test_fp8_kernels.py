@@ -140,9 +140,10 @@ def test_values_convert_by_ptx_only_in_compiled_kernels():
     """The interpreter runs no PTX: it must convert with `.to()`. Compiled for a GPU with e4m3 conversions, the
     decode and prefill kernels convert values by PTX (the tests above then check that path on the GPU)."""
     compiled = os.environ.get("TRITON_INTERPRET") != "1"
-    assert not ptx_conversion(torch.device("cpu"))
+    assert not ptx_conversion(torch.zeros(1))
     if torch.cuda.is_available():
-        assert ptx_conversion(torch.device("cuda", 0)) == (compiled and torch.cuda.get_device_capability(0) >= (8, 9))
+        on_gpu = torch.zeros(1, device="cuda")
+        assert ptx_conversion(on_gpu) == (compiled and torch.cuda.get_device_capability(0) >= (8, 9))
 
 
 def test_float32_queries_keep_the_16_bit_tiles():
