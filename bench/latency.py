@@ -64,9 +64,9 @@ def long_json_grammar(model_path: str):
 
 def run_to_first_token(core, prompts, max_tokens, logprobs=None, grammar=None) -> list:
     """Admits the prompts and steps until each has its first token; returns the sequences."""
-    from handler.grammar import GrammarConstraint
-
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, logprobs=logprobs)
+    if grammar is not None:  # xgrammar only where a grammar is asked for (the GPU image has none)
+        from handler.grammar import GrammarConstraint
     seqs = [core.make_sequence(object(), p, params, GrammarConstraint(grammar) if grammar is not None else None)
             for p in prompts]
     for seq in seqs:

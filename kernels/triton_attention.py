@@ -48,7 +48,8 @@ from kernels.triton_fp8 import dot_operand, e4m3_quantized, ptx_conversion, valu
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
-MIN_SPLITS = 2  # even on a full GPU: see choose_num_splits
+MIN_SPLITS = 2  # below UNSPLIT_PROGRAMS_PER_SM: see choose_num_splits
+UNSPLIT_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
 FP8 = torch.float8_e4m3fn
 
@@ -423,9 +424,11 @@ def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.devi
                       min_split_keys: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Splits of the context per (sequence, KV head) for decode: enough programs for two waves on the GPU and
     at least MIN_SPLITS, at least min_split_keys keys per split, a power of two (few compiled variants), at
-    most MAX_SPLITS. On a full GPU the two splits cost a little at equal context lengths (which they leave
-    whole) and gain more at spread lengths, where the longest sequences would otherwise run on after the rest
-    (bench/decode_balance.py measures both)."""
+    most MAX_SPLITS. With UNSPLIT_PROGRAMS_PER_SM (sequence, KV head) pairs per SM or more, one split: the
+    programs, started longest context first, fill the GPU to the end without the split's merge and its read
+    of the batch's lengths, which cost more than they balance (bench/RESULTS.md, 2026-11-25)."""
+    if batch_kv_heads >= UNSPLIT_PROGRAMS_PER_SM * num_sms(device):
+        return 1
     target = _occupancy(device)
     wanted = min(max(triton.cdiv(target, batch_kv_heads), MIN_SPLITS), max_seqlen_k // min_split_keys, MAX_SPLITS)
     return 1 if wanted <= 1 else 1 << (wanted.bit_length() - 1)

@@ -267,7 +267,8 @@ def test_varlen_with_window_and_sinks(num_q_heads, num_kv_heads, head_dim, causa
 
 @pytest.mark.parametrize(
     "batch_kv_heads,max_seqlen_k,expected",
-    [(64, 4096, 2), (8, 4096, 2), (64, 300, 1), (2, 4096, 4), (1, 300, 1), (3, 8192, 2), (1, 100_000, 8)],
+    [(64, 4096, 1), (16, 4096, 1), (15, 4096, 2), (8, 4096, 2), (64, 300, 1), (2, 4096, 4), (1, 300, 1),
+     (3, 8192, 2), (1, 100_000, 8)],
 )
 def test_choose_num_splits_on_four_sm_stand_in(batch_kv_heads, max_seqlen_k, expected):
     assert choose_num_splits(batch_kv_heads, max_seqlen_k, torch.device("cpu")) == expected
