@@ -70,9 +70,10 @@ class DecodeTiles:
 # tile of keys and values in flight (the block table read makes the copies indirect, so Triton's pipeliner gives
 # them one buffer), so the bytes in flight per SM are the programs it holds times a tile's bytes. Converting an FP8
 # tile for the MMAs takes registers, which limit the programs per SM: with values converted by PTX (value_operand)
-# 64-key tiles capped at 104 registers were the fastest end to end (bench/RESULTS.md).
+# 64-key tiles capped at 96 registers, 5 programs per SM without spills, were the fastest end to end once large
+# batches ran unsplit (bench/RESULTS.md).
 DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
-FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2, max_registers=104)
+FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2, max_registers=96)
 
 
 def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTiles:
