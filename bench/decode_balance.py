@@ -1,51 +1,55 @@
-"""Decode attention on equal against varied context lengths: one layer's decode step of the Qwen3-0.6B shape
-at batch 256, 128, 64, 16 and 1, every context equal to the mean ("uniform") or drawn from [100, 2100]
-("varied", the spread of the throughput workload), with 1 or 2 splits forced or the kernel's own choice.
-Prints microseconds and TB/s of KV read. Run on a CUDA machine: PYTHONPATH=. python3 bench/decode_balance.py"""
-import itertools
+"""Decode attention's fixed work per program: one layer's decode step of the Qwen3-0.6B shape at batch 256, 128,
+64, 16 and 1, over a 16-bit or an FP8 cache, contexts equal to 1,024 ("equal"), drawn from [100, 2100] ("varied",
+the throughput workload's late steps) or from [100, 1100] ("short", its early ones). Times the fused kernel the
+engine runs (prologue and attention, splits of its own choice) against attention alone with 1, 2 or 4 splits forced
+and with its own choice, so that the cost of the prologue and of the splits' merge shows. Prints microseconds and
+TB/s of KV read. Run on a CUDA machine: PYTHONPATH=.:bench python3 bench/decode_balance.py [--kv-cache-dtype fp8]"""
+import argparse
 import random
 
 import torch
 import triton.testing
+from fp8_attention_sweep import FP8, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, decode_step, rotary_and_norms
 
-from kernels import triton_attention
-from kernels.attention_metadata import AttentionMetadata
+from kernels.triton_attention import decode_attention, qkv_decode_attention
+from kernels.triton_prologue import qkv_prologue
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_MODEL_LEN = 16, 8, 128, 16, 4096
+LENGTHS = {"equal": lambda: 1024, "varied": lambda: random.randint(100, 2100),
+           "short": lambda: random.randint(100, 1100)}
 
 
-def decode_step(lengths: list[int]):
-    """Random queries and a cache holding each sequence's context in scattered blocks."""
-    batch, per_seq = len(lengths), [-(-n // BLOCK_SIZE) for n in lengths]
-    k_cache, v_cache = (torch.randn(sum(per_seq), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda",
-                                    dtype=torch.bfloat16) for _ in range(2))
-    order = torch.randperm(sum(per_seq), device="cuda").to(torch.int32)
-    tables = torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device="cuda")
-    for row, (start, count) in enumerate(zip(itertools.accumulate(per_seq, initial=0), per_seq)):
-        tables[row, :count] = order[start:start + count]
-    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device="cuda"), block_tables=tables,
-        max_seqlen_q=1, max_seqlen_k=MAX_MODEL_LEN, is_decode=True)
-    return q, k_cache, v_cache, meta
+def variants(lengths: list[int], dtype: torch.dtype, cos_sin, norms) -> tuple[dict, int]:
+    """{name: launch} for one step over a cache of dtype, and the KV bytes it reads."""
+    qkv, k, v, meta, scales = decode_step(lengths, dtype)
+    q, _, _ = qkv_prologue(qkv, meta.seq_lens.long() - 1, cos_sin, NUM_Q_HEADS, NUM_KV_HEADS, *norms, 1e-6,
+                           k.clone(), v.clone(), meta.slot_mapping, False, *scales)
+    scale = HEAD_DIM**-0.5
+    launches = {"fused, own splits": lambda: qkv_decode_attention(
+        qkv, cos_sin, NUM_Q_HEADS, NUM_KV_HEADS, *norms, 1e-6, k, v, meta, scale, k_scale=scales[0],
+        v_scale=scales[1])}
+    for splits in (None, 1, 2, 4):
+        launches[f"attention, {splits or 'own'} splits"] = lambda splits=splits: decode_attention(
+            q, k, v, meta, scale, num_splits=splits, k_scale=scales[0], v_scale=scales[1])
+    return launches, 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM * k.element_size()
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--batches", default="256,128,64,16,1")
+    args = ap.parse_args()
     random.seed(0)
-    print(f"{'batch':>5} {'lengths':8} {'splits':>6} {'us':>8} {'TB/s':>6}")
-    for batch in (256, 128, 64, 16, 1):
-        varied = [random.randint(100, 2100) for _ in range(batch)] if batch > 1 else [1024]
-        for kind, lengths in (("uniform", [sum(varied) // batch] * batch), ("varied", varied)):
-            q, k_cache, v_cache, meta = decode_step(lengths)
-            for splits in (1, 2, None):
-                ms = triton.testing.do_bench(
-                    lambda: triton_attention.decode_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5, splits),
-                    warmup=20, rep=100, return_mode="median")
-                kv_bytes = 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM * 2
-                print(f"{batch:5d} {kind:8} {splits or 'auto'!s:>6} {ms * 1e3:8.1f} {kv_bytes / ms / 1e9:6.2f}",
-                      flush=True)
+    torch.manual_seed(0)
+    dtype = FP8 if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    cos_sin, norms = rotary_and_norms()
+    print(f"{'batch':>5} {'lengths':8} {'variant':24} {'us':>8} {'TB/s':>6}")
+    for batch in map(int, args.batches.split(",")):
+        for kind, draw in LENGTHS.items():
+            lengths = [draw() for _ in range(batch)] if batch > 1 else [1024]
+            launches, kv_bytes = variants(lengths, dtype, cos_sin, norms)
+            for name, launch in launches.items():
+                ms = triton.testing.do_bench(launch, warmup=20, rep=100, return_mode="median")
+                print(f"{batch:5d} {kind:8} {name:24} {ms * 1e3:8.1f} {kv_bytes / ms / 1e9:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Decode attention compiled for a Hopper GPU (sm_90) on any machine, no GPU needed: its registers, spilled bytes
+and shared memory, and its main loop's instructions by kind, read from the SASS of Triton's bundled ptxas and
+cuobjdump. A compile takes seconds and no device time, so a change to the kernel's loop can be read here before it
+is timed on the GPU (bench/RESULTS.md, 2026-11-25, says what the loop held then). The launch is the engine's for
+the Qwen3-0.6B shape (16 query and 8 KV heads of 128, blocks of 16), with the specializations Triton's JIT gives
+it (16-byte aligned pointers and strides). The GPU image has Triton 3.6 and other versions compile differently:
+for faithful output install that one beside torch in a virtualenv of its own.
+
+Run without TRITON_INTERPRET: PYTHONPATH=. python bench/sass_report.py [--cache-dtype bf16] [--tiles N,WARPS,STAGES,
+MIN_SPLIT,MAX_REGISTERS] [--split]"""
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_attention
+
+POINTERS = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "seq_order_ptr": "*i32",
+            "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "arrivals_ptr": "*i32",
+            "sinks_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+            "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+ALIGNED_INTS = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_slot", "stride_cs"}
+FLOATS = {"qk_scale", "eps"}
+TOOLS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+
+
+def compile_decode(fp8: bool, tiles: triton_attention.DecodeTiles, split: bool):
+    """The fused decode kernel (prologue, keys and values by the block table, bf16 queries) as the engine launches
+    it for a Qwen3-0.6B step, compiled for sm_90."""
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    constants = dict(GROUP=2, GROUP_BLOCK=16, HEAD_DIM=128, BLOCK_N=tiles.block_n, BLOCK_SIZE=16, SPLIT=split,
+                     DOT_PRECISION="tf32", LENS_BLOCK=256, BALANCE=split, SPLITS_BLOCK=2 if split else 1,
+                     ORDERED=True, PROLOGUE=True, HAS_NORM=True, NUM_Q_HEADS=16, WINDOW=False, HAS_SINKS=False,
+                     FP8=fp8, PTX=fp8, USE_PDL=True)
+    names = list(inspect.signature(triton_attention._decode_kernel.fn).parameters)
+    signature, attrs = {}, {}
+    for index, name in enumerate(names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = cache if name in ("k_cache_ptr", "v_cache_ptr") else POINTERS[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+        if name.endswith("_ptr") or name in ALIGNED_INTS:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    if tiles.max_registers:
+        options["maxnreg"] = tiles.max_registers
+    source = ASTSource(fn=triton_attention._decode_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), flag, file.name], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def main_loop(sass: str) -> list[str]:
+    """The opcodes of the loop (a backward branch's span) that holds the most matrix instructions."""
+    code = [(int(address, 16), op) for address, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z]\w*)",
+                                                                     sass)]
+    loops = [(int(target, 16), int(address, 16))
+             for address, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)",
+                                               sass) if int(target, 16) < int(address, 16)]
+    bodies = [[op for address, op in code if start <= address <= end] for start, end in loops]
+    return max(bodies, key=lambda ops: (ops.count("HMMA"), len(ops)), default=[])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache-dtype", choices=["fp8", "bf16"], default="fp8")
+    ap.add_argument("--tiles", metavar="N,WARPS,STAGES,MIN_SPLIT,MAX_REGISTERS",
+                    help="decode tiles (default: the engine's for the cache dtype)")
+    ap.add_argument("--split", action="store_true", help="the split launch (small batches) instead of the unsplit")
+    args = ap.parse_args()
+    fp8 = args.cache_dtype == "fp8"
+    tiles = (triton_attention.DecodeTiles(*map(int, args.tiles.split(","))) if args.tiles
+             else triton_attention.FP8_DECODE_TILES if fp8 else triton_attention.DECODE_TILES)
+    kernel = compile_decode(fp8, tiles, args.split)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel.asm["cubin"], "--dump-resource-usage"))
+    loop = main_loop(cuobjdump(kernel.asm["cubin"], "--dump-sass"))
+    print(f"triton {triton.__version__}, {args.cache_dtype} cache, {tiles}, {'split' if args.split else 'unsplit'}")
+    print(f"registers {usage[1]}, stack (spills) {usage[2]} bytes, shared memory {kernel.metadata.shared} bytes")
+    print(f"main loop: {len(loop)} instructions per thread per tile of {tiles.block_n} keys")
+    for op, count in Counter(loop).most_common(16):
+        print(f"  {op:10} {count:4d}")
+
+
+if __name__ == "__main__":
+    main()
