@@ -427,7 +427,9 @@ def choose_num_splits(batch_kv_heads: int, max_seqlen_k: int, device: torch.devi
     at least MIN_SPLITS, at least min_split_keys keys per split, a power of two (few compiled variants), at
     most MAX_SPLITS. With UNSPLIT_PROGRAMS_PER_SM (sequence, KV head) pairs per SM or more, one split: the
     programs, started longest context first, fill the GPU to the end without the split's merge and its read
-    of the batch's lengths, which cost more than they balance (bench/RESULTS.md, 2026-11-25)."""
+    of the batch's lengths, which cost more than they balance on the throughput workload's spread of lengths
+    (bench/RESULTS.md, 2026-11-25). A context many times the batch's mean then bounds the launch by its own
+    programs, which two splits only halved."""
     if batch_kv_heads >= UNSPLIT_PROGRAMS_PER_SM * num_sms(device):
         return 1
     target = _occupancy(device)
