@@ -37,12 +37,12 @@ BATCHES = (256, 128, 64, 16, 1)
 
 
 def parse_tiles(spec: str) -> DecodeTiles:
-    """DecodeTiles from "N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]"."""
+    """DecodeTiles from "N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS[,SPLIT_MAX_REGISTERS]]]"."""
     return DecodeTiles(*map(int, spec.split(",")))
 
 
 def add_decode_tiles_argument(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]",
+    ap.add_argument("--decode-tiles", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS[,SPLIT_MAX_REGISTERS]]]",
                     help="decode attention's tiles for this cache dtype, as bench/fp8_attention_sweep.py prints them")
 
 
@@ -108,7 +108,7 @@ def expected_output(qkv, cos_sin, norms, k_cache, v_cache, meta, scales):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three FP8 tile configurations only")
-    ap.add_argument("--tiles", nargs="+", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS]]",
+    ap.add_argument("--tiles", nargs="+", metavar="N,WARPS,STAGES[,MIN_SPLIT[,MAX_REGISTERS[,SPLIT_MAX_REGISTERS]]]",
                     help="the FP8 tile configurations to try instead of the grid")
     args = ap.parse_args()
     random.seed(0)

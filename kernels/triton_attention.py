@@ -58,12 +58,17 @@ FP8 = torch.float8_e4m3fn
 class DecodeTiles:
     """How decode programs walk their keys: block_n keys per tile, num_warps and num_stages of the launch,
     min_split_keys, the fewest keys that choose_num_splits gives a split (bench/fp8_attention_sweep.py tries
-    others), and max_registers per thread (0: the compiler's choice), which sets how many programs share an SM."""
+    others), and max_registers per thread (0: the compiler's choice), which sets how many programs share an SM;
+    split_max_registers replaces it in a launch whose contexts are split (0: the same)."""
     block_n: int
     num_warps: int
     num_stages: int
     min_split_keys: int = MIN_TOKENS_PER_SPLIT
     max_registers: int = 0
+    split_max_registers: int = 0
+
+    def registers(self, split: bool) -> int:
+        return self.split_max_registers if split and self.split_max_registers else self.max_registers
 
 
 # 64 keys of 2 bytes, 4 warps, 2 stages: the fastest at large batches of varied context lengths. A program keeps one
@@ -71,9 +76,9 @@ class DecodeTiles:
 # them one buffer), so the bytes in flight per SM are the programs it holds times a tile's bytes. Converting an FP8
 # tile for the MMAs takes registers, which limit the programs per SM: with values converted by PTX (value_operand)
 # 64-key tiles capped at 96 registers, 5 programs per SM without spills, were the fastest end to end once large
-# batches ran unsplit (bench/RESULTS.md).
+# batches ran unsplit; the small batches whose contexts are split run faster at 104 (bench/RESULTS.md).
 DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
-FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2, max_registers=96)
+FP8_DECODE_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2, max_registers=96, split_max_registers=104)
 
 
 def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTiles:
@@ -536,7 +541,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
-        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
+        **({"maxnreg": tiles.registers(split)} if tiles.registers(split) else {}),
     )
     return out
 

@@ -17,7 +17,8 @@ BF16_SPLIT = ["--cache-dtype", "bf16", "--tiles", "64,4,2,256,128", "--split"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,registers", [([], FP8_DECODE_TILES.max_registers), (BF16_SPLIT, 128)])
+@pytest.mark.parametrize("args,registers", [([], FP8_DECODE_TILES.max_registers),
+                                             (["--split"], FP8_DECODE_TILES.split_max_registers), (BF16_SPLIT, 128)])
 def test_the_report_reads_the_compiled_decode_loop(args, registers):
     pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # it compiles, not interprets

@@ -154,6 +154,13 @@ def test_float32_queries_keep_the_16_bit_tiles():
     assert decode_tiles(torch.bfloat16, torch.bfloat16) == DECODE_TILES
 
 
+def test_split_launches_take_their_own_register_cap():
+    """Small batches (split contexts) ran faster at 104 registers than at the unsplit launches' 96."""
+    tiles = DecodeTiles(64, 4, 2, max_registers=96, split_max_registers=104)
+    assert (tiles.registers(split=False), tiles.registers(split=True)) == (96, 104)
+    assert DecodeTiles(64, 4, 2, max_registers=96).registers(split=True) == 96
+
+
 def test_reference_reads_keys_and_values_times_their_scales():
     """The scales matter: attention over the FP8 cache equals attention over its dequantized float32 copy, and
     not over the cache read without its scales."""
