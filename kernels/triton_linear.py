@@ -9,6 +9,8 @@ part stores its float32 partial product; the last part of a tile to arrive adds 
 rows. Above that cuBLAS's own tiles fill the GPU and this kernel made decode steps slower, so larger batches
 and prefill stay on cuBLAS.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -20,6 +22,9 @@ from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 MAX_ROWS = 128
 MAX_SPLIT_K = 4
 TILE_K = 128
+NARROW_N = 2048  # outputs this narrow (Qwen3-0.6B's o and down: 1,024) take 16-column tiles, twice the programs
+STAGES = 4
+NARROW_STAGES = 6  # a 16-column tile's program keeps more copies in flight, where shared memory holds them
 
 
 @triton.jit
@@ -107,24 +112,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
     return out
 
 
-def choose_config(m: int, n: int, k: int, sms: int) -> tuple | None:
-    """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, or K
-    not a multiple of TILE_K). Tiles of 16 rows up to 16 rows, else 64, and 32 columns; K split in two or four
-    while the programs still fit in one wave (the fastest configs of a sweep over the Qwen3-0.6B projections
-    at decode sizes)."""
+def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes: int,
+                  element_size: int = 2) -> tuple | None:
+    """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, K not a
+    multiple of TILE_K, or rows of several tiles over a weight larger than the l2_bytes of L2, which each row
+    tile would read from memory again). Tiles of 16 rows up to 16 rows, else 64; 16 columns for outputs of up to
+    NARROW_N (with 2 warps on 16-row tiles, and NARROW_STAGES where a program's shared_memory bytes hold their
+    tiles of element_size), else 32; K split in two or four while the programs still fit in one wave. Chosen
+    by timing the Qwen3-0.6B projections back to back in CUDA graphs, then end to end (bench/RESULTS.md)."""
     if not 0 < m <= MAX_ROWS or k % TILE_K:
         return None
-    block_m, block_n = (16 if m <= 16 else 64), 32
+    block_m = 16 if m <= 16 else 64
+    if m > block_m and n * k * element_size > l2_bytes:
+        return None
+    block_n = 16 if n <= NARROW_N else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = 1
     while split_k < MAX_SPLIT_K and 2 * split_k * tiles <= sms and k % (2 * split_k * TILE_K) == 0:
         split_k *= 2
-    return block_m, block_n, TILE_K, split_k, 4, 4
+    num_warps = 2 if block_m == block_n == 16 else 4
+    deep = block_n == 16 and (block_m + block_n) * TILE_K * element_size * NARROW_STAGES <= shared_memory
+    return block_m, block_n, TILE_K, split_k, num_warps, NARROW_STAGES if deep else STAGES
+
+
+@functools.cache
+def memory_sizes(device: torch.device) -> tuple[int, int]:
+    """The shared memory one program may take on the device (an SM's, less the 1 KB the driver reserves) and its
+    L2's bytes; no limits for the interpreter on a CPU."""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return properties.shared_memory_per_multiprocessor - 1024, properties.L2_cache_size
+    return 1 << 30, 1 << 40
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, through this kernel where choose_config picks it for a 2-D x with contiguous rows."""
     config = None
     if x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
-        config = choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device))
+        config = choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device), *memory_sizes(x.device),
+                               x.element_size())
     return F.linear(x, weight, bias) if config is None else linear(x, weight, bias, config)

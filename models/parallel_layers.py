@@ -315,7 +315,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     them (only rank 0 samples; the others get None)."""
 
     def forward(self, hidden: Tensor) -> Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -62,20 +62,42 @@ def test_linear_rejects_k_not_divisible_by_its_split():
         linear(x, weight, None, (16, 16, 32, 2, 4, 2))
 
 
+H100 = {"sms": 132, "shared_memory": 227 * 1024, "l2_bytes": 50 * 2**20}
+
+
 @pytest.mark.parametrize("m,n,k,expected", [
-    (1, 1024, 2048, (16, 32, 128, 4, 4, 4)),    # 32 tiles: four parts fill 128 of 132 SMs
-    (64, 1024, 3072, (64, 32, 128, 4, 4, 4)),
-    (128, 1024, 2048, (64, 32, 128, 2, 4, 4)),  # 64 tiles: two parts
-    (16, 4096, 1024, (16, 32, 128, 1, 4, 4)),   # 128 tiles fill the GPU alone
-    (24, 1024, 384, (64, 32, 128, 1, 4, 4)),    # K = 3 x 128 splits in neither 2 nor 4
+    (1, 1024, 2048, (16, 16, 128, 2, 2, 6)),    # 64 narrow tiles of 16 columns: two parts fill 128 of 132 SMs
+    (64, 1024, 3072, (64, 16, 128, 2, 4, 6)),
+    (128, 1024, 2048, (64, 16, 128, 1, 4, 6)),  # 128 tiles fill the GPU alone
+    (16, 4096, 1024, (16, 32, 128, 1, 4, 4)),   # wider than NARROW_N: 32 columns, 128 tiles
+    (64, 6144, 1024, (64, 32, 128, 1, 4, 4)),
+    (24, 1024, 384, (64, 16, 128, 1, 4, 6)),    # K = 3 x 128 splits in neither 2 nor 4
 ])
 def test_config_fills_one_wave(m, n, k, expected):
-    assert choose_config(m, n, k, sms=132) == expected
+    assert choose_config(m, n, k, **H100) == expected
+
+
+@pytest.mark.parametrize("shared_memory,element_size,stages", [
+    (227 * 1024, 2, 6), (227 * 1024, 4, 4),  # float32 tiles of 6 stages need 240 KB
+    (99 * 1024, 2, 4),                       # an L4's or A10's 99 KB: 120 KB do not fit
+])
+def test_narrow_tiles_deepen_their_pipeline_only_where_it_fits(shared_memory, element_size, stages):
+    gpu = {**H100, "shared_memory": shared_memory}
+    assert choose_config(64, 1024, 2048, **gpu, element_size=element_size)[5] == stages
+
+
+@pytest.mark.parametrize("m,n,expected_kernel", [
+    (64, 151936, True),    # one row tile reads the LM head's 311 MB once
+    (65, 151936, False),   # two would read it twice from memory: cuBLAS
+    (128, 4096, True),     # 8 MB: the second row tile finds the weight in L2
+])
+def test_weights_past_l2_keep_one_row_tile(m, n, expected_kernel):
+    assert (choose_config(m, n, 1024, **H100) is not None) == expected_kernel
 
 
 @pytest.mark.parametrize("m,k", [(MAX_ROWS + 1, 1024), (8, 1000), (0, 1024)])
 def test_config_leaves_large_batches_odd_k_and_no_rows_to_cublas(m, k):
-    assert choose_config(m, 1024, k, sms=132) is None
+    assert choose_config(m, 1024, k, **H100) is None
 
 
 @pytest.mark.parametrize("m", [1, 3])
