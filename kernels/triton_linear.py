@@ -7,7 +7,8 @@ part stores its float32 partial product; the last part of a tile to arrive adds 
 (the result does not depend on arrival order) and stores the tile. With programmatic dependent launch
 (kernels/dependent_launch.py), a chain of norms and these GEMMs runs faster than with cuBLAS up to MAX_ROWS
 rows. Above that cuBLAS's own tiles fill the GPU and this kernel made decode steps slower, so larger batches
-and prefill stay on cuBLAS.
+and prefill stay on cuBLAS; so do rows of more than one tile over a weight larger than L2 (an LM head), which
+each row tile would read from memory again.
 """
 import functools
 
