@@ -2,16 +2,17 @@
 the Qwen3-0.6B shape (16 query / 8 KV heads of 128, blocks of 16) through the fused qkv decode kernel the engine
 runs (prologue, quantizing store, attention), at batch 256, 128, 64, 16 and 1, contexts drawn from [100, 2100]
 (the throughput workload's spread; 1,024 at batch 1). Each FP8 tile configuration (DecodeTiles: keys per tile,
-warps, pipeline stages, fewest keys per split, register cap) is checked against the torch reference once, then
-timed with do_bench (L2 flushed before each run). Prints microseconds and TB/s of KV read per configuration and
-batch, each configuration's time summed over the batches (the throughput workload's decode steps are mostly at
-128-256), and the best, as the line to put in kernels/triton_attention.py. A last table times a prefill step (16
-chunks of 512 tokens after 0-512 cached ones) and its prologue, bf16 against FP8.
+warps, pipeline stages, fewest keys per split, register caps unsplit and split) is checked against the torch
+reference once, then timed with do_bench (L2 flushed before each run). Prints the launch's splits and register cap,
+microseconds and TB/s of KV read per configuration and batch, each configuration's time summed over the batches
+(the throughput workload's decode steps are mostly at 128-256), and the best, as the line to put in
+kernels/triton_attention.py. A last table times a prefill step (16 chunks of 512 tokens after 0-512 cached ones)
+and its prologue, bf16 against FP8.
 
 Run on a CUDA machine from the repository root: PYTHONPATH=. python3 bench/fp8_attention_sweep.py [--quick] [--tiles
 128,4,1 64,2,2 ...].
 bench/throughput.py and bench/latency.py take the best line's numbers as --decode-tiles
-N,WARPS,STAGES,MIN_SPLIT,MAX_REGISTERS (use_decode_tiles) to try them end to end."""
+N,WARPS,STAGES,MIN_SPLIT,MAX_REGISTERS[,SPLIT_MAX_REGISTERS] (use_decode_tiles) to try them end to end."""
 import argparse
 import functools
 import itertools
@@ -26,6 +27,7 @@ from kernels.triton_attention import (
     DECODE_TILES,
     FP8_DECODE_TILES,
     DecodeTiles,
+    choose_num_splits,
     prefill_attention,
     qkv_decode_attention,
 )
@@ -117,8 +119,8 @@ def main():
     configs = [("bf16", torch.bfloat16, DECODE_TILES)] + [("fp8", FP8, tiles) for tiles in (
         [parse_tiles(spec) for spec in args.tiles] if args.tiles else tile_grid(args.quick))]
     totals = {index: 0.0 for index in range(len(configs))}
-    print(f"{'batch':>5} {'cache':5} {'block_n':>7} {'warps':>5} {'stages':>6} {'min split':>9} {'regs':>4} {'us':>8} "
-          f"{'TB/s':>6} {'x bf16':>6} {'max err':>8}")
+    print(f"{'batch':>5} {'cache':5} {'block_n':>7} {'warps':>5} {'stages':>6} {'min split':>9} {'splits':>6} "
+          f"{'regs':>4} {'us':>8} {'TB/s':>6} {'x bf16':>6} {'max err':>8}")
     for batch in BATCHES:
         lengths = [random.randint(100, 2100) for _ in range(batch)] if batch > 1 else [1024]
         bf16_us = None
@@ -143,9 +145,10 @@ def main():
             bf16_us = bf16_us or us
             totals[index] += us
             kv_bytes = 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+            splits = choose_num_splits(batch * NUM_KV_HEADS, max(lengths), qkv.device, tiles.min_split_keys)
             print(f"{batch:5d} {name:5} {tiles.block_n:7d} {tiles.num_warps:5d} {tiles.num_stages:6d} "
-                  f"{tiles.min_split_keys:9d} {tiles.max_registers:4d} {us:8.1f} {kv_bytes / ms / 1e9:6.2f} "
-                  f"{bf16_us / us:6.2f} {error:8.1e}",
+                  f"{tiles.min_split_keys:9d} {splits:6d} {tiles.registers(splits > 1):4d} {us:8.1f} "
+                  f"{kv_bytes / ms / 1e9:6.2f} {bf16_us / us:6.2f} {error:8.1e}",
                   flush=True)
     print(f"\nsummed over batches {', '.join(map(str, BATCHES))} (us):")
     for index, (name, _, tiles) in sorted(enumerate(configs), key=lambda item: totals[item[0]]):
