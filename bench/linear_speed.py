@@ -8,32 +8,14 @@ import argparse
 import torch
 import torch.nn.functional as F
 from kernel_speed import PEAK_BYTES_PER_S
+from moe_speed import graph_us
 
 from kernels import linear
 
 PROJECTIONS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
                "lm_head": (151936, 1024)}  # (N, K)
-CALLS = 12  # weights per timing: more than L2 holds for every projection but the LM head, which alone exceeds it
-
-
-def graph_us(fn, calls: int) -> float:
-    """Median over 7 replays of a graph of fn(0) ... fn(calls - 1), in microseconds per call."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+CALLS = 12  # weights per timing, one call each: more than L2 holds for every projection but the LM head (2), which
+# alone exceeds it
 
 
 def main():
@@ -48,7 +30,8 @@ def main():
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                        for _ in range(CALLS if name != "lm_head" else 2)]
-            times = [graph_us(lambda i, f=f: f(x, weights[i % len(weights)]), CALLS) for f in (F.linear, linear)]
+            times = [graph_us(lambda f=f: [f(x, weight) for weight in weights]) / len(weights)
+                     for f in (F.linear, linear)]
             print(f"{rows:4d} {name:10} {times[0]:9.1f} {times[1]:9.1f}", flush=True)
             if name != "lm_head":
                 per_layer = [total + t for total, t in zip(per_layer, times)]

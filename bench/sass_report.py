@@ -52,8 +52,8 @@ def compile_decode(fp8: bool, tiles: triton_attention.DecodeTiles, split: bool):
         if name.endswith("_ptr") or name in ALIGNED_INTS:
             attrs[(index,)] = [["tt.divisibility", 16]]
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    if tiles.registers(split):
-        options["maxnreg"] = tiles.registers(split)
+    if registers := tiles.registers(split):
+        options["maxnreg"] = registers
     source = ASTSource(fn=triton_attention._decode_kernel, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 

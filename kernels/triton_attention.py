@@ -527,6 +527,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     ordered = meta.seq_order is not None
     fp8 = k_cache.dtype == FP8
     k_scale, v_scale = kv_scales if fp8 else (out, out)
+    registers = tiles.registers(split)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, meta.seq_lens, meta.seq_order if ordered else meta.seq_lens, out,
         part_out, part_lse, arrivals,
@@ -541,7 +542,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
-        **({"maxnreg": tiles.registers(split)} if tiles.registers(split) else {}),
+        **({"maxnreg": registers} if registers else {}),
     )
     return out
 
