@@ -6,8 +6,11 @@ the Qwen3-0.6B shape (16 query and 8 KV heads of 128, blocks of 16), with the sp
 it (16-byte aligned pointers and strides). The GPU image has Triton 3.6 and other versions compile differently:
 for faithful output install that one beside torch in a virtualenv of its own.
 
+--gluon WARPS[,MAX_REGISTERS] reads the Gluon kernel that takes large FP8 batches instead (kernels/gluon_decode.py,
+WARPS warps per program), whose loop folds a page of 16 keys per warp.
+
 Run without TRITON_INTERPRET: PYTHONPATH=. python bench/sass_report.py [--cache-dtype bf16] [--tiles N,WARPS,STAGES,
-MIN_SPLIT,MAX_REGISTERS] [--split]"""
+MIN_SPLIT,MAX_REGISTERS] [--split] [--gluon WARPS[,MAX_REGISTERS]]"""
 import argparse
 import inspect
 import os
@@ -21,7 +24,7 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_attention
+from kernels import gluon_decode, triton_attention
 
 POINTERS = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "seq_order_ptr": "*i32",
             "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "arrivals_ptr": "*i32",
@@ -58,6 +61,22 @@ def compile_decode(fp8: bool, tiles: triton_attention.DecodeTiles, split: bool):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_gluon_decode(warps: int, max_registers: int):
+    """kernels/gluon_decode.py's kernel as decode_attention launches it for a Qwen3-0.6B step, compiled for sm_90."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    pointers = {**POINTERS, "k_cache_ptr": "*i32", "v_cache_ptr": "*i32"}  # the cache is read as int32 words
+    constants = {"GROUP": 2, "BLOCK_SIZE": 16, "ORDERED": True, "W": warps, "USE_PDL": True}
+    names = list(inspect.signature(gluon_decode._decode_kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in FLOATS else "i32")
+                 for name in names}
+    attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(names)
+             if name.endswith("_ptr") or name in ALIGNED_INTS}
+    source = GluonASTSource(fn=gluon_decode._decode_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": warps, **({"maxnreg": max_registers} if max_registers else {})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
@@ -83,17 +102,28 @@ def main():
     ap.add_argument("--tiles", metavar="N,WARPS,STAGES,MIN_SPLIT,MAX_REGISTERS",
                     help="decode tiles (default: the engine's for the cache dtype)")
     ap.add_argument("--split", action="store_true", help="the split launch (small batches) instead of the unsplit")
+    ap.add_argument("--gluon", metavar="WARPS[,MAX_REGISTERS]",
+                    help="the Gluon FP8 kernel with WARPS warps per program (registers capped at MAX_REGISTERS)")
     args = ap.parse_args()
     fp8 = args.cache_dtype == "fp8"
     tiles = (triton_attention.DecodeTiles(*map(int, args.tiles.split(","))) if args.tiles
              else triton_attention.FP8_DECODE_TILES if fp8 else triton_attention.DECODE_TILES)
-    kernel = compile_decode(fp8, tiles, args.split)
+    if args.gluon:
+        warps, max_registers = ([*map(int, args.gluon.split(",")), 0])[:2]
+        kernel = compile_gluon_decode(warps, max_registers)
+    else:
+        kernel = compile_decode(fp8, tiles, args.split)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel.asm["cubin"], "--dump-resource-usage"))
     loop = main_loop(cuobjdump(kernel.asm["cubin"], "--dump-sass"))
-    print(f"triton {triton.__version__}, {args.cache_dtype} cache, {tiles}, {'split' if args.split else 'unsplit'}")
+    if args.gluon:
+        print(f"triton {triton.__version__}, Gluon FP8 decode, {warps} warps per program, registers capped at "
+              f"{max_registers or 'none'}")
+    else:
+        print(f"triton {triton.__version__}, {args.cache_dtype} cache, {tiles}, {'split' if args.split else 'unsplit'}")
     print(f"registers {usage[1]}, stack (spills) {usage[2]} bytes, shared memory {kernel.metadata.shared} bytes")
-    print(f"main loop: {len(loop)} instructions per thread per tile of {tiles.block_n} keys")
-    for op, count in Counter(loop).most_common(16):
+    step = f"page of {gluon_decode.PAGE.value} keys per warp" if args.gluon else f"tile of {tiles.block_n} keys"
+    print(f"main loop: {len(loop)} instructions per thread per {step}")
+    for op, count in Counter(loop).most_common(24):
         print(f"  {op:10} {count:4d}")
 
 

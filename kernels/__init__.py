@@ -74,6 +74,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         select_experts=triton_moe.select_experts,
         fused_moe=triton_moe.fused_moe,
         fused_decode=triton_attention.qkv_decode_attention,
+        decodes_apart=triton_attention.decodes_apart,
     )
     try:
         import flash_attn
@@ -241,10 +242,12 @@ def qkv_paged_attention(
     """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
     paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA without
     flash-attn runs both in the decode attention kernel (one launch less per layer; Triton's
-    qkv_decode_attention)."""
+    qkv_decode_attention), unless the Gluon kernel takes its attention (large batches over an FP8 cache:
+    kernels/gluon_decode.py)."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
-    if meta.is_decode and backend.fused_decode is not None:
+    if (meta.is_decode and backend.fused_decode is not None
+            and not backend.decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)):
         check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
                                     k_cache, v_cache, meta, scale, window=window, sinks=sinks, k_scale=k_scale,

@@ -12,7 +12,9 @@ once per KV head and multiplied against every query head that shares it.
   the batch's longest context, found on the device from seq_lens, so the result never depends on
   meta.max_seqlen_k being exact (a CUDA graph captured at one length replays correctly at another).
   meta.seq_order, when given, is the order the sequences' programs start in (the engine stages longest
-  context first, so short programs fill the end of the step).
+  context first, so short programs fill the end of the step). An unsplit batch that fills the GPU over an FP8
+  cache goes to the Gluon kernel instead (kernels/gluon_decode.py, _gluon_takes), its prologue to a launch of
+  its own (decodes_apart).
 - prefill/mixed: one program per (query tile, KV head), the tiles numbered across the batch; each program
   finds its sequence from cu_seqlens, so the grid depends only on the token and sequence counts (a step
   padded to a captured shape replays correctly; padding tokens that no sequence owns are left unwritten).
@@ -42,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gluon_decode
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 from kernels.triton_fp8 import dot_operand, e4m3_quantized, ptx_conversion, value_operand
@@ -495,6 +498,28 @@ def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_wei
                    window, sinks, (k_scale, v_scale), tiles, prologue)
 
 
+def decodes_apart(qkv, num_heads, k_cache, meta, window=0, sinks=None) -> bool:
+    """Whether decode attention from the fused projection qkv runs in the Gluon kernel (kernels/gluon_decode.py),
+    which leaves the prologue to its own launch (kernels.qkv_paged_attention), rather than in
+    qkv_decode_attention."""
+    num_kv_heads, num_seqs = k_cache.shape[2], meta.seq_lens.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    num_splits = _num_splits(num_seqs, num_kv_heads, meta, window, qkv.device, decode_tiles(k_cache.dtype, qkv.dtype))
+    return _gluon_takes(qkv.dtype, num_heads, head_dim, k_cache, num_seqs, num_splits, window, sinks)
+
+
+def _gluon_takes(query_dtype, num_q_heads, head_dim, k_cache, num_seqs, num_splits, window, sinks) -> bool:
+    """The Gluon kernel takes the batches that fill the GPU unsplit (UNSPLIT_PROGRAMS_PER_SM (sequence, KV head)
+    pairs per SM): smaller ones are latency-bound, and stay in the fused kernel, one launch less per layer."""
+    return (num_splits == 1 and num_seqs * k_cache.shape[2] >= UNSPLIT_PROGRAMS_PER_SM * num_sms(k_cache.device)
+            and gluon_decode.supports(query_dtype, num_q_heads, head_dim, k_cache, window, sinks))
+
+
+def _num_splits(num_seqs, num_kv_heads, meta, window, device, tiles) -> int:
+    longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
+    return choose_num_splits(num_seqs * num_kv_heads, longest_span, device, tiles.min_split_keys)
+
+
 def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits, window, sinks,
             kv_scales, tiles, prologue=None):
     """The decode launch: q heads at q + token * stride_qt + head * stride_qh; with prologue (cos_sin_cache,
@@ -511,8 +536,10 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     group = _check_gqa(num_q_heads, num_kv_heads)
     tiles = tiles or decode_tiles(k_cache.dtype, q.dtype)
     if num_splits is None:
-        longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device, tiles.min_split_keys)
+        num_splits = _num_splits(num_seqs, num_kv_heads, meta, window, q.device, tiles)
+    if prologue is None and _gluon_takes(q.dtype, num_q_heads, head_dim, k_cache, num_seqs, num_splits, window,
+                                         sinks):
+        return gluon_decode.decode_attention(q, k_cache, v_cache, meta, scale, *kv_scales)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
