@@ -34,10 +34,10 @@ LOG2E = 1.4426950408889634
 HEAD_DIM = gl.constexpr(128)
 PAGE = gl.constexpr(16)  # keys a warp folds per step: one m16n8k16 of scores
 MAX_GROUP = 8  # query heads per KV head: the scores' 8 MMA columns
-# (sequence, KV head) pairs per multiprocessor from which 2 warps per pair beat 4: with fewer pairs each needs
-# more of its keys in flight. 4-warp programs capped at 128 registers fit 4 per SM instead of 3, without spills
-# (bench/RESULTS.md, 2026-11-26).
-TWO_WARP_PAIRS_PER_SM = 10
+# (sequence, KV head) pairs per multiprocessor from which 2 warps per pair beat 4 end to end: with fewer pairs each
+# needs more of its keys in flight. 4-warp programs capped at 128 registers fit 4 per SM instead of 3, without
+# spills (bench/RESULTS.md, 2026-11-26).
+TWO_WARP_PAIRS_PER_SM = 7
 FOUR_WARP_MAX_REGISTERS = 128
 FP8 = torch.float8_e4m3fn
 
