@@ -1,13 +1,14 @@
-"""Decode attention over an FP8 KV cache against bf16, and the FP8 kernel's tiles swept: one layer's decode step of
-the Qwen3-0.6B shape (16 query / 8 KV heads of 128, blocks of 16) through the fused qkv decode kernel the engine
-runs (prologue, quantizing store, attention), at batch 256, 128, 64, 16 and 1, contexts drawn from [100, 2100]
-(the throughput workload's spread; 1,024 at batch 1). Each FP8 tile configuration (DecodeTiles: keys per tile,
-warps, pipeline stages, fewest keys per split, register caps unsplit and split) is checked against the torch
-reference once, then timed with do_bench (L2 flushed before each run). Prints the launch's splits and register cap,
-microseconds and TB/s of KV read per configuration and batch, each configuration's time summed over the batches
-(the throughput workload's decode steps are mostly at 128-256), and the best, as the line to put in
-kernels/triton_attention.py. A last table times a prefill step (16 chunks of 512 tokens after 0-512 cached ones)
-and its prologue, bf16 against FP8.
+"""Decode attention over an FP8 KV cache against bf16, and the FP8 kernel's tiles swept: one layer's decode step of the
+Qwen3-0.6B shape (16 query / 8 KV heads of 128, blocks of 16) through the fused qkv decode kernel (prologue,
+quantizing store, attention: the engine's below 4 (sequence, KV head) pairs per SM; larger FP8 batches run
+kernels/gluon_decode.py, which bench/gluon_decode_speed.py times), at batch 256, 128, 64, 16 and 1, contexts drawn
+from [100, 2100] (the throughput workload's spread; 1,024 at batch 1). Each FP8 tile configuration (DecodeTiles:
+keys per tile, warps, pipeline stages, fewest keys per split, register caps unsplit and split) is checked against
+the torch reference once, then timed with do_bench (L2 flushed before each run). Prints the launch's splits and
+register cap, microseconds and TB/s of KV read per configuration and batch, each configuration's time summed over
+the batches (the throughput workload's decode steps are mostly at 128-256), and the best, as the line to put in
+kernels/triton_attention.py. A last table times a prefill step (16 chunks of 512 tokens after 0-512 cached ones) and
+its prologue, bf16 against FP8.
 
 Run on a CUDA machine from the repository root: PYTHONPATH=. python3 bench/fp8_attention_sweep.py [--quick] [--tiles
 128,4,1 64,2,2 ...].

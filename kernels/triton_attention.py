@@ -502,22 +502,16 @@ def decodes_apart(qkv, num_heads, k_cache, meta, window=0, sinks=None) -> bool:
     """Whether decode attention from the fused projection qkv runs in the Gluon kernel (kernels/gluon_decode.py),
     which leaves the prologue to its own launch (kernels.qkv_paged_attention), rather than in
     qkv_decode_attention."""
-    num_kv_heads, num_seqs = k_cache.shape[2], meta.seq_lens.shape[0]
-    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
-    num_splits = _num_splits(num_seqs, num_kv_heads, meta, window, qkv.device, decode_tiles(k_cache.dtype, qkv.dtype))
-    return _gluon_takes(qkv.dtype, num_heads, head_dim, k_cache, num_seqs, num_splits, window, sinks)
+    head_dim = qkv.shape[1] // (num_heads + 2 * k_cache.shape[2])
+    return _gluon_takes(qkv.dtype, num_heads, head_dim, k_cache, meta.seq_lens.shape[0], window, sinks)
 
 
-def _gluon_takes(query_dtype, num_q_heads, head_dim, k_cache, num_seqs, num_splits, window, sinks) -> bool:
-    """The Gluon kernel takes the batches that fill the GPU unsplit (UNSPLIT_PROGRAMS_PER_SM (sequence, KV head)
-    pairs per SM): smaller ones are latency-bound, and stay in the fused kernel, one launch less per layer."""
-    return (num_splits == 1 and num_seqs * k_cache.shape[2] >= UNSPLIT_PROGRAMS_PER_SM * num_sms(k_cache.device)
+def _gluon_takes(query_dtype, num_q_heads, head_dim, k_cache, num_seqs, window, sinks) -> bool:
+    """The Gluon kernel takes the batches that fill the GPU with UNSPLIT_PROGRAMS_PER_SM (sequence, KV head)
+    pairs per SM, which choose_num_splits never splits: smaller ones are latency-bound, and stay in the fused
+    kernel, one launch less per layer."""
+    return (num_seqs * k_cache.shape[2] >= UNSPLIT_PROGRAMS_PER_SM * num_sms(k_cache.device)
             and gluon_decode.supports(query_dtype, num_q_heads, head_dim, k_cache, window, sinks))
-
-
-def _num_splits(num_seqs, num_kv_heads, meta, window, device, tiles) -> int:
-    longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
-    return choose_num_splits(num_seqs * num_kv_heads, longest_span, device, tiles.min_split_keys)
 
 
 def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits, window, sinks,
@@ -536,9 +530,10 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     group = _check_gqa(num_q_heads, num_kv_heads)
     tiles = tiles or decode_tiles(k_cache.dtype, q.dtype)
     if num_splits is None:
-        num_splits = _num_splits(num_seqs, num_kv_heads, meta, window, q.device, tiles)
-    if prologue is None and _gluon_takes(q.dtype, num_q_heads, head_dim, k_cache, num_seqs, num_splits, window,
-                                         sinks):
+        longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device, tiles.min_split_keys)
+    if num_splits == 1 and prologue is None and _gluon_takes(q.dtype, num_q_heads, head_dim, k_cache, num_seqs,
+                                                             window, sinks):
         return gluon_decode.decode_attention(q, k_cache, v_cache, meta, scale, *kv_scales)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
