@@ -1,4 +1,4 @@
-"""Triton y = x W^T (+ b) for the few rows of a decode step, split along K.
+"""Triton y = x W^T (+ b) for the rows of a decode step, split along K.
 
 At decode sizes a projection is a read of its weight. cuBLAS tiles such a GEMM by its output only: with a
 narrow output that is far fewer programs than the GPU has SMs, and the weight is read well below bandwidth.
@@ -6,8 +6,12 @@ Here each output tile's K range is cut into SPLIT_K parts, one program each, eno
 part stores its float32 partial product; the last part of a tile to arrive adds them all in split order
 (the result does not depend on arrival order) and stores the tile. With programmatic dependent launch
 (kernels/dependent_launch.py), a chain of norms and these GEMMs runs faster than with cuBLAS up to MAX_ROWS
-rows. Above that cuBLAS's own tiles fill the GPU and this kernel made decode steps slower, so larger batches
-and prefill stay on cuBLAS; so do rows of more than one tile over a weight larger than L2 (an LM head), which
+rows.
+
+Up to POINTER_ROWS rows the operands are loaded through pointers. Above that, row tiles of 64 take their
+operands through tensor descriptors (TMA copies into shared memory on Hopper), with tiles chosen so that every
+program of a launch is resident at once; the pointer loads' tiles lost to cuBLAS there (bench/RESULTS.md).
+Prefill stays on cuBLAS; so do rows of more than one tile over a weight larger than L2 (an LM head), which
 each row tile would read from memory again.
 """
 import functools
@@ -16,11 +20,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 
-MAX_ROWS = 128
+MAX_ROWS = 256
+POINTER_ROWS = 64
+EARLY_RELEASE_ROWS = 16  # up to this many rows a program lets the next kernel launch before its loop, not after
 MAX_SPLIT_K = 4
 TILE_K = 128
 NARROW_N = 2048  # outputs this narrow (Qwen3-0.6B's o and down: 1,024) take 16-column tiles, twice the programs
@@ -31,7 +38,8 @@ NARROW_STAGES = 6  # a 16-column tile's program keeps more copies in flight, whe
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, stride_xm, stride_om,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_RELEASE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % SPLIT_K  # a tile's parts run side by side, so its last arrival waits least
     tile = pid // SPLIT_K
@@ -46,14 +54,43 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N
     w_ptrs = w_ptr + cols[:, None] * K + ks[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_for_previous(USE_PDL)
+    if EARLY_RELEASE:
+        release_next(USE_PDL)
     for _ in range(0, k_len, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    release_next(USE_PDL)  # after the loop: faster than at the start at large row counts, slower at small ones
+    if not EARLY_RELEASE:
+        release_next(USE_PDL)
     store_split_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask,
+                     M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@triton.jit
+def _descriptor_linear_kernel(x_desc, w_desc, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, stride_om,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K
+    num_row_tiles = tl.cdiv(M, BLOCK_M)
+    row0 = (tile % num_row_tiles) * BLOCK_M  # a column tile's row tiles side by side: its weight slice read once
+    col0 = (tile // num_row_tiles) * BLOCK_N
+    k_len = K // SPLIT_K
+    k0 = split * k_len
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_for_previous(USE_PDL)
+    for k in tl.range(0, k_len, BLOCK_K, num_stages=STAGES):
+        x = x_desc.load([row0, k0 + k])
+        w = w_desc.load([col0, k0 + k])
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+    release_next(USE_PDL)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    store_split_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tile, split, rows, cols, rows < M, cols < N,
                      M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
@@ -96,44 +133,83 @@ def split_k_outputs(x: torch.Tensor, n: int, tiles: int, split_k: int) -> tuple[
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) with config = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages); K must be a multiple of SPLIT_K * BLOCK_K."""
-    block_m, block_n, block_k, split_k, num_warps, num_stages = config
+    num_stages, descriptors); K must be a multiple of SPLIT_K * BLOCK_K, and with descriptors the operands must
+    meet descriptors_fit."""
+    block_m, block_n, block_k, split_k, num_warps, num_stages, descriptors = config
     (m, k), n = x.shape, weight.shape[0]
     if k % (split_k * block_k) or x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError(f"triton linear: K={k} must be a multiple of {split_k} x {block_k}, with x's rows and the "
                          "weight contiguous")
+    if descriptors and not descriptors_fit(x, weight):
+        raise ValueError("triton linear: tensor descriptors need 16-byte aligned operands and row strides")
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     out, part, arrivals = split_k_outputs(x, n, tiles, split_k)
-    _linear_kernel[(tiles * split_k,)](
-        x, weight, bias if bias is not None else out, out, part, arrivals, m, n, k, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        **launch_options(x),
-    )
+    common = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+                  **launch_options(x))
+    bias = bias if bias is not None else out
+    if descriptors:
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        _descriptor_linear_kernel[(tiles * split_k,)](x_desc, w_desc, bias, out, part, arrivals, m, n, k,
+                                                      out.stride(0), STAGES=num_stages, **common)
+    else:
+        _linear_kernel[(tiles * split_k,)](x, weight, bias, out, part, arrivals, m, n, k, x.stride(0), out.stride(0),
+                                           EARLY_RELEASE=m <= EARLY_RELEASE_ROWS, num_stages=num_stages, **common)
     return out
+
+
+def descriptors_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether both operands can be read through tensor descriptors: 16-byte aligned starts and row strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
 
 
 def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes: int,
                   element_size: int = 2) -> tuple | None:
     """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, K not a
     multiple of TILE_K, or rows of several tiles over a weight larger than the l2_bytes of L2, which each row
-    tile would read from memory again). Tiles of 16 rows up to 16 rows, else 64; 16 columns for outputs of up to
-    NARROW_N (with 2 warps on 16-row tiles, and NARROW_STAGES where a program's shared_memory bytes hold their
-    tiles of element_size), else 32; K split in two or four while the programs still fit in one wave. Chosen
-    by timing the Qwen3-0.6B projections back to back in CUDA graphs, then end to end (bench/RESULTS.md)."""
+    tile would read from memory again). Up to POINTER_ROWS rows: tiles of 16 rows up to 16 rows, else 64; 16
+    columns for outputs of up to NARROW_N (with 2 warps on 16-row tiles, and NARROW_STAGES where a program's
+    shared_memory bytes hold their tiles of element_size), else 32; K split in two or four while the programs
+    still fit in one wave. Above, _descriptor_config. Chosen by timing the Qwen3-0.6B projections back to back
+    in CUDA graphs, then end to end (bench/RESULTS.md)."""
     if not 0 < m <= MAX_ROWS or k % TILE_K:
         return None
     block_m = 16 if m <= 16 else 64
     if m > block_m and n * k * element_size > l2_bytes:
         return None
+    if m > POINTER_ROWS:
+        return _descriptor_config(m, n, k, sms, shared_memory, element_size)
     block_n = 16 if n <= NARROW_N else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = _split_k(tiles, k, sms)
+    num_warps = 2 if block_m == block_n == 16 else 4
+    deep = block_n == 16 and (block_m + block_n) * TILE_K * element_size * NARROW_STAGES <= shared_memory
+    return block_m, block_n, TILE_K, split_k, num_warps, NARROW_STAGES if deep else STAGES, False
+
+
+def _descriptor_config(m: int, n: int, k: int, sms: int, shared_memory: int, element_size: int) -> tuple:
+    """Row tiles of 64 and the widest column tiles (128, 64 or 32) that still make half as many tiles as SMs;
+    K split while the programs fit in one wave. Where they take more than one wave, tiles of K 64 so that all of
+    them are resident at once; stages, up to 6, as many as the programs an SM holds leave room for."""
+    row_tiles = triton.cdiv(m, 64)
+    block_n = 128
+    while block_n > 32 and row_tiles * triton.cdiv(n, block_n) < sms // 2:
+        block_n //= 2
+    tiles = row_tiles * triton.cdiv(n, block_n)
+    split_k = _split_k(tiles, k, sms)
+    per_sm = triton.cdiv(tiles * split_k, sms)
+    block_k = TILE_K if per_sm == 1 else TILE_K // 2
+    stages = min(6, shared_memory // (per_sm * (64 + block_n) * block_k * element_size))
+    return 64, block_n, block_k, split_k, 4, stages, True
+
+
+def _split_k(tiles: int, k: int, sms: int) -> int:
+    """Parts of K (up to MAX_SPLIT_K, each a multiple of TILE_K) while tiles x parts still fit in one wave."""
     split_k = 1
     while split_k < MAX_SPLIT_K and 2 * split_k * tiles <= sms and k % (2 * split_k * TILE_K) == 0:
         split_k *= 2
-    num_warps = 2 if block_m == block_n == 16 else 4
-    deep = block_n == 16 and (block_m + block_n) * TILE_K * element_size * NARROW_STAGES <= shared_memory
-    return block_m, block_n, TILE_K, split_k, num_warps, NARROW_STAGES if deep else STAGES
+    return split_k
 
 
 @functools.cache
@@ -152,4 +228,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         config = choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device), *memory_sizes(x.device),
                                x.element_size())
-    return F.linear(x, weight, bias) if config is None else linear(x, weight, bias, config)
+    if config is None or (config[6] and not descriptors_fit(x, weight)):
+        return F.linear(x, weight, bias)
+    return linear(x, weight, bias, config)

@@ -1,4 +1,5 @@
-"""The split-K Triton linear against F.linear in float32, and the rule that picks its config."""
+"""The split-K Triton linear (operands through pointers or tensor descriptors) against F.linear in float32, and
+the rule that picks its config."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,18 +7,22 @@ from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only
 
 from kernels import linear as dispatched_linear
 from kernels.split_arrivals import arrival_counters
-from kernels.triton_linear import MAX_ROWS, choose_config, decode_linear, linear
+from kernels.triton_linear import MAX_ROWS, POINTER_ROWS, choose_config, decode_linear, descriptors_fit, linear
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
-# (rows, outputs, K, config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)): row and column tiles cut
-# short by masks, K split in 1-4 parts, several row tiles.
+# (rows, outputs, K, config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, descriptors)): row and column
+# tiles cut short by masks (pointers) or by the descriptor's bounds, K split in 1-4 parts, several row tiles.
 CASES = [
-    (1, 40, 64, (16, 16, 16, 4, 4, 2)),
-    (5, 48, 64, (16, 32, 32, 2, 4, 2)),
-    (17, 64, 128, (16, 16, 32, 1, 4, 2)),
-    (33, 30, 96, (16, 16, 16, 3, 4, 2)),
-    *cuda_only((64, 1024, 2048, (64, 32, 128, 4, 4, 4)), (128, 4096, 1024, (64, 32, 128, 1, 4, 4))),
+    (1, 40, 64, (16, 16, 16, 4, 4, 2, False)),
+    (5, 48, 64, (16, 32, 32, 2, 4, 2, False)),
+    (17, 64, 128, (16, 16, 32, 1, 4, 2, False)),
+    (33, 30, 96, (16, 16, 16, 3, 4, 2, False)),
+    (3, 40, 64, (16, 16, 16, 4, 4, 2, True)),
+    (70, 48, 128, (64, 32, 32, 2, 4, 2, True)),
+    (130, 40, 96, (64, 16, 32, 3, 4, 2, True)),
+    *cuda_only((64, 1024, 2048, (64, 32, 128, 4, 4, 4, False)), (128, 4096, 1024, (64, 32, 128, 1, 4, 4, False)),
+               (200, 6144, 1024, (64, 128, 64, 1, 4, 4, True)), (96, 1024, 3072, (64, 32, 128, 2, 4, 4, True))),
 ]
 
 
@@ -44,34 +49,52 @@ def test_split_k_counters_return_to_zero_at_every_launch():
     x, weight, _ = _inputs(20, 48, 128, torch.float32)
     expected = F.linear(x, weight)
     for _ in range(3):
-        assert_close(linear(x, weight, None, (16, 16, 32, 4, 4, 2)), expected, torch.float32)
-        assert not arrival_counters(1, x.device).any()
+        for descriptors in (False, True):
+            assert_close(linear(x, weight, None, (16, 16, 32, 4, 4, 2, descriptors)), expected, torch.float32)
+            assert not arrival_counters(1, x.device).any()
 
 
-def test_linear_reads_strided_rows():
+@pytest.mark.parametrize("descriptors", [False, True])
+def test_linear_reads_strided_rows(descriptors):
     """A row stride larger than K (a slice of a wider activation) is read as such."""
     wide, weight, _ = _inputs(6, 32, 128, torch.float32)
     x = wide[:, :64]
-    assert_close(linear(x, weight[:, :64].contiguous(), None, (16, 16, 16, 2, 4, 2)), F.linear(x, weight[:, :64]),
-                 torch.float32)
+    assert_close(linear(x, weight[:, :64].contiguous(), None, (16, 16, 16, 2, 4, 2, descriptors)),
+                 F.linear(x, weight[:, :64]), torch.float32)
 
 
 def test_linear_rejects_k_not_divisible_by_its_split():
     x, weight, _ = _inputs(2, 16, 48, torch.float32)
     with pytest.raises(ValueError, match="multiple of 2 x 32"):
-        linear(x, weight, None, (16, 16, 32, 2, 4, 2))
+        linear(x, weight, None, (16, 16, 32, 2, 4, 2, False))
+
+
+def test_misaligned_rows_go_to_cublas_not_descriptors():
+    """A descriptor needs 16-byte aligned starts and row strides: a slice that starts one element in is refused by
+    the descriptor kernel, and decode_linear computes it with F.linear instead."""
+    wide, weight, _ = _inputs(POINTER_ROWS + 8, 64, 257, torch.float32)
+    x, weight = wide[:, 1:], weight[:, 1:].contiguous()
+    assert not descriptors_fit(x, weight) and descriptors_fit(x.contiguous(), weight)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        linear(x, weight, None, (64, 32, 64, 1, 4, 2, True))
+    assert_close(decode_linear(x, weight, None), F.linear(x, weight), torch.float32)
 
 
 H100 = {"sms": 132, "shared_memory": 227 * 1024, "l2_bytes": 50 * 2**20}
 
 
 @pytest.mark.parametrize("m,n,k,expected", [
-    (1, 1024, 2048, (16, 16, 128, 2, 2, 6)),    # 64 narrow tiles of 16 columns: two parts fill 128 of 132 SMs
-    (64, 1024, 3072, (64, 16, 128, 2, 4, 6)),
-    (128, 1024, 2048, (64, 16, 128, 1, 4, 6)),  # 128 tiles fill the GPU alone
-    (16, 4096, 1024, (16, 32, 128, 1, 4, 4)),   # wider than NARROW_N: 32 columns, 128 tiles
-    (64, 6144, 1024, (64, 32, 128, 1, 4, 4)),
-    (24, 1024, 384, (64, 16, 128, 1, 4, 6)),    # K = 3 x 128 splits in neither 2 nor 4
+    (1, 1024, 2048, (16, 16, 128, 2, 2, 6, False)),    # 64 narrow tiles of 16 columns: two parts fill 128 SMs
+    (64, 1024, 3072, (64, 16, 128, 2, 4, 6, False)),
+    (16, 4096, 1024, (16, 32, 128, 1, 4, 4, False)),   # wider than NARROW_N: 32 columns, 128 tiles
+    (64, 6144, 1024, (64, 32, 128, 1, 4, 4, False)),
+    (24, 1024, 384, (64, 16, 128, 1, 4, 6, False)),    # K = 3 x 128 splits in neither 2 nor 4
+    # descriptors from 65 rows: the widest column tiles that make at least 66 tiles
+    (128, 4096, 1024, (64, 64, 128, 1, 4, 6, True)),   # 128 tiles of 64 columns (128 columns: only 64)
+    (128, 1024, 2048, (64, 32, 128, 2, 4, 6, True)),   # 32 columns at the least, so 64 tiles: K in two
+    (256, 4096, 1024, (64, 128, 128, 1, 4, 4, True)),  # 128 tiles; 4 stages of 48 KB fill shared memory
+    (256, 6144, 1024, (64, 128, 64, 1, 4, 4, True)),   # 192 tiles, two per SM: K tiles of 64, 4 stages each
+    (256, 1024, 3072, (64, 32, 128, 1, 4, 6, True)),
 ])
 def test_config_fills_one_wave(m, n, k, expected):
     assert choose_config(m, n, k, **H100) == expected
