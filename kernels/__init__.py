@@ -22,6 +22,7 @@ from kernels.reference import GREEDY_TEMPERATURE, dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
     "linear",
+    "gated_linear",
     "paged_attention",
     "varlen_attention",
     "rms_norm",
@@ -61,6 +62,7 @@ def _backend(device_type: str) -> SimpleNamespace:
 
     backend = SimpleNamespace(
         linear=triton_linear.decode_linear,
+        gated_linear=triton_linear.gated_linear,
         paged_attention=triton_attention.paged_attention,
         varlen_attention=triton_attention.varlen_attention,
         rms_norm=triton_norm.rms_norm,
@@ -130,6 +132,13 @@ def _flash_window(window: int) -> tuple[int, int]:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T (+ bias): on CUDA our split-K Triton GEMM at decode sizes, cuBLAS above them."""
     return _backend_of(x).linear(x, weight, bias)
+
+
+def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """An MLP's act(x W_gate^T + b_gate) * (x W_up^T + b_up) for weight [2I, K] (gate rows, then up rows) and
+    activation "silu" or "gelu_tanh": on CUDA one Triton launch at decode sizes, the projection then the
+    activation above them."""
+    return _backend_of(x).gated_linear(x, weight, bias, activation)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,

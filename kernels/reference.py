@@ -192,6 +192,11 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """act(x W_gate^T + b_gate) * (x W_up^T + b_up): the projection, then silu_and_mul or gelu_tanh_and_mul."""
+    return (silu_and_mul if activation == "silu" else gelu_tanh_and_mul)(F.linear(x, weight, bias))
+
+
 def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """The k largest router logits per token (ids int32, descending) and their softmax probabilities in float32,
     over all experts or, when renormalize, over the k chosen."""

@@ -19,16 +19,25 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
     mask = offs < INTER
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    y = act_and_mul(gate, up, GELU_TANH)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def act_and_mul(gate, up, GELU_TANH: tl.constexpr):
+    """act(gate) * up for float32 tensors: SiLU, or GELU's tanh approximation."""
     if GELU_TANH:
         inner = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
         tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 where exp overflows or vanishes
         y = 0.5 * gate * (1.0 + tanh) * up
     else:
         y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    return y
 
 
-def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+def gated_activation(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """x [..., 2I] -> act(x[..., :I]) * x[..., I:], computed in float32: SiLU, or with gelu_tanh GELU's tanh
+    approximation."""
     if x.shape[-1] % 2:
         raise ValueError(f"a gated activation needs an even last dimension, got {x.shape[-1]}")
     inter = x.shape[-1] // 2
@@ -46,9 +55,9 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], computed in float32."""
-    return _act_and_mul(x, gelu_tanh=False)
+    return gated_activation(x, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> gelu(x[..., :I], tanh approximation) * x[..., I:], computed in float32."""
-    return _act_and_mul(x, gelu_tanh=True)
+    return gated_activation(x, gelu_tanh=True)

@@ -58,7 +58,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_
         acc += tl.dot(x_fp8, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
     release_next(USE_PDL)
     store_split_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask,
-                     M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+                     M, N, stride_om, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit

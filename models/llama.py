@@ -29,16 +29,15 @@ from torch import Tensor, nn
 from kernels import (
     AttentionMetadata,
     add_rms_norm,
-    gelu_tanh_and_mul,
     qkv_paged_attention,
     qkv_prologue,
     rms_norm,
-    silu_and_mul,
     varlen_attention,
 )
 from models.fp8 import Fp8Format, fp8_format
 from models.moe import MoeMLP, check_moe_tensor_parallel, is_moe_layer
 from models.parallel_layers import (
+    GateUpParallelLinear,
     MergedColumnParallelLinear,
     ParallelLinear,
     ParallelLMHead,
@@ -59,7 +58,7 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = ("gemma3_text",)  # RMSNorm scales by (1 + w): the weight loads as 1 + w
 POST_BLOCK_NORM_MODEL_TYPES = ("gemma3_text",)  # norms after attention and the MLP too (sandwich)
 SCALED_EMBEDDING_MODEL_TYPES = ("gemma3_text",)  # embeddings times sqrt(hidden_size)
-ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's hidden_act: kernels.gated_linear's
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' config.layer_types we compute
 
 
@@ -181,14 +180,13 @@ class MLP(nn.Module):
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         if activation not in ACTIVATIONS:
             raise ValueError(f"hidden_act {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-        self.act_and_mul = ACTIVATIONS[activation]
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                                       quant=quant)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size, ACTIVATIONS[activation],
+                                                 bias=bias, quant=quant)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, quant=quant)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

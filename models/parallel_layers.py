@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import dequantize_fp8, fp8_linear, linear
+from kernels import dequantize_fp8, fp8_linear, gated_linear, gelu_tanh_and_mul, linear, silu_and_mul
 from models.fp8 import E4M3, Fp8Format, finish_fp8, is_fp8
 
 
@@ -256,6 +256,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             destination = param.data.narrow(0, sum(self.output_sizes[:part]), local)
             copy_scale_rows(destination, loaded, self.quant, start + self.tp_rank * local, num_rows, 0,
                             self.weight.shape[1])
+
+
+class GateUpParallelLinear(MergedColumnParallelLinear):
+    """An MLP's gate and up projections (each split across ranks) and its activation: act(gate) * up."""
+
+    def __init__(self, in_features: int, intermediate_size: int, activation: str, bias: bool = False,
+                 quant: Fp8Format | None = None):
+        super().__init__(in_features, [intermediate_size] * 2, bias, quant)
+        self.activation = activation  # kernels.gated_linear's: "silu" or "gelu_tanh"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.scale_block is None:  # one launch at decode sizes
+            return gated_linear(x, self.weight, self.bias, self.activation)
+        gate_up = self._project(x, self.bias)
+        return silu_and_mul(gate_up) if self.activation == "silu" else gelu_tanh_and_mul(gate_up)
 
 
 class RowParallelLinear(ParallelLinear):

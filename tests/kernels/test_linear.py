@@ -5,9 +5,17 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import DEVICE, DTYPES, assert_close, cuda_only
 
-from kernels import linear as dispatched_linear
+from kernels import gated_linear as dispatched_gated_linear, linear as dispatched_linear, reference
 from kernels.split_arrivals import arrival_counters
-from kernels.triton_linear import MAX_ROWS, POINTER_ROWS, choose_config, decode_linear, descriptors_fit, linear
+from kernels.triton_linear import (
+    MAX_ROWS,
+    POINTER_ROWS,
+    choose_config,
+    decode_linear,
+    descriptors_fit,
+    gated_linear,
+    linear,
+)
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -41,6 +49,45 @@ def test_linear_matches_torch(m, n, k, config, dtype, with_bias):
     bias = bias if with_bias else None
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
     assert_close(linear(x, weight, bias, config), expected, dtype)
+
+
+# (rows, intermediate size I, K, config): gate and up tiles cut short (I not a multiple of BLOCK_N), K split or
+# not, through pointers and descriptors.
+GATED_CASES = [
+    (3, 40, 128, (16, 16, 32, 2, 4, 2, False)),
+    (20, 32, 96, (16, 16, 32, 1, 4, 2, False)),
+    (70, 48, 128, (64, 32, 64, 2, 4, 2, True)),
+    (5, 24, 64, (16, 16, 16, 4, 4, 2, True)),
+    *cuda_only((64, 3072, 1024, (64, 16, 128, 1, 4, 4, False)), (200, 3072, 1024, (64, 64, 64, 1, 4, 4, True))),
+]
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,inter,k,config", GATED_CASES)
+def test_gated_linear_matches_the_projection_then_the_activation(m, inter, k, config, dtype, with_bias, activation):
+    """Each program's gate columns meet their own up columns: act(x W_gate^T + b_gate) * (x W_up^T + b_up)."""
+    x, weight, bias = _inputs(m, 2 * inter, k, dtype)
+    bias = bias if with_bias else None
+    expected = reference.gated_linear(x.float(), weight.float(), None if bias is None else bias.float(), activation)
+    assert_close(linear(x, weight, bias, config, activation), expected.to(dtype), dtype)
+
+
+def test_gated_linear_refuses_an_unknown_activation():
+    x, weight, _ = _inputs(2, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="'gelu' is not one of silu, gelu_tanh"):
+        linear(x, weight, None, (16, 16, 16, 1, 4, 2, False), "gelu")
+
+
+@pytest.mark.parametrize("m", [3, POINTER_ROWS + 6, MAX_ROWS + 1])
+def test_dispatched_gated_linear_matches_the_reference(m):
+    """kernels.gated_linear: one launch where choose_config picks the kernel for the [2I, K] product (on CUDA;
+    here too when called directly), the projection then the activation above MAX_ROWS or on CPU."""
+    x, weight, bias = _inputs(m, 2 * 48, 256, torch.float32)
+    expected = reference.gated_linear(x, weight, bias, "silu")
+    assert_close(dispatched_gated_linear(x, weight, bias, "silu"), expected, torch.float32)
+    assert_close(gated_linear(x, weight, bias, "silu"), expected, torch.float32)
 
 
 def test_split_k_counters_return_to_zero_at_every_launch():
