@@ -283,9 +283,9 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     "silu" or "gelu_tanh": in one launch where choose_config picks this kernel for the [2I, K] product (each
     program then takes half its tile's columns from the gate and half from the up rows), else F.linear and the
     activation kernel."""
-    _check_activation(activation)
     config = _decode_config(x, weight)
     if config is None:
+        _check_activation(activation)
         return gated_activation(F.linear(x, weight, bias), activation == "gelu_tanh")
     return linear(x, weight, bias, (config[0], max(16, config[1] // 2), *config[2:]), activation)
 
