@@ -1,6 +1,6 @@
 #!/bin/sh
-# Container entrypoint: check the configuration in milliseconds, then exec the front daemon (hfendpoint,
-# or our mock daemon when hfendpoint is not installed) with `python -m handler` as its worker.
+# Container entrypoint: check the configuration in milliseconds, then exec the HTTP front (ours, `python -m front`,
+# or the production hfendpoint when FRONT=hfendpoint) with `python -m handler` behind it.
 # exec, so that the daemon gets the container's signals; on SIGTERM the daemon stops taking requests and
 # sends the handler EOF, and the handler finishes those in flight (HFENDPOINT_DRAIN_TIMEOUT) and exits.
 set -eu
@@ -9,20 +9,25 @@ usage() {
 	cat <<'EOF'
 Usage: entrypoint.sh [HANDLER_ARGS...]
 
-Starts the HTTP front daemon on HOST:PORT (OpenAI API: /v1/chat/completions, /v1/embeddings;
+Starts the HTTP front on HOST:PORT (OpenAI API: /v1/chat/completions, /v1/embeddings;
 health: /health) and the handler (`python -m handler HANDLER_ARGS...`) behind it.
 
-Health: hfendpoint (v0.3.0) answers /health with 200 as soon as it listens, while the handler may still
-be loading its model (requests sent meanwhile wait for it). The mock daemon answers 503 until the handler
-has loaded its model, and again whenever the handler stops answering; it also serves /metrics.
+The default front is ours (`python -m front`): it forwards every request field, answers /health 503 until
+the handler has loaded its model (and whenever the handler stops answering), checks HFENDPOINT_API_KEY and
+serves /metrics. FRONT=hfendpoint runs the production daemon instead (an image built with
+--build-arg WITH_HFENDPOINT=yes): v0.3.0 forwards only `messages` and `stream` (temperature, max_tokens,
+tools, response_format, logprobs, n, seed, stop... are dropped), refuses list `content`, has no key, no
+/metrics, and answers /health 200 as soon as it listens, while the model may still be loading.
 
 Variables read here:
   PORT                       port to listen on (default 80)
   HOST                       address to bind (default 0.0.0.0)
   PYTHON                     the Python that runs the handler (default python3)
-  HFENDPOINT_BIN             the front daemon (default hfendpoint from PATH; when absent, the mock
-                             daemon `python -m daemon_protocol.mock_daemon` is used instead)
-  HFENDPOINT_API_KEY         mock daemon only: require `Authorization: Bearer KEY` (hfendpoint
+  FRONT                      `ours` (default) or `hfendpoint`
+  FRONT_PYTHON               the Python that runs our front (default PYTHON; the image's copy may
+                             bind port 80 as a non-root user)
+  HFENDPOINT_BIN             the hfendpoint binary when FRONT=hfendpoint (default hfendpoint from PATH)
+  HFENDPOINT_API_KEY         our front only: require `Authorization: Bearer KEY` (hfendpoint
                              v0.3.0 has no authentication of its own)
   HFENDPOINT_REPOSITORY_DIR  where a mounted model is looked for (default /repository; Inference
                              Endpoints mount the model there); it wins over MODEL_ID
@@ -113,25 +118,33 @@ HOST=${HOST:-0.0.0.0}
 PYTHON=${PYTHON:-python3}
 REPOSITORY_DIR=${HFENDPOINT_REPOSITORY_DIR:-/repository}
 
-if [ -n "${HFENDPOINT_BIN:-}" ] && ! command -v "$HFENDPOINT_BIN" >/dev/null 2>&1; then
-	die "HFENDPOINT_BIN=$HFENDPOINT_BIN: command not found; unset it to use hfendpoint from PATH or the mock daemon"
-fi
-daemon=${HFENDPOINT_BIN:-hfendpoint}
-if command -v "$daemon" >/dev/null 2>&1; then
-	uses_hfendpoint=yes
-else
-	uses_hfendpoint=no
-fi
+FRONT=${FRONT:-ours}
+FRONT_PYTHON=${FRONT_PYTHON:-$PYTHON}
+case $FRONT in
+ours)
+	# The image's FRONT_PYTHON is a copy of the interpreter with the capability to bind low ports.
+	if [ "$FRONT_PYTHON" != "$PYTHON" ]; then front_has_capability=yes; else front_has_capability=no; fi
+	;;
+hfendpoint)
+	daemon=${HFENDPOINT_BIN:-hfendpoint}
+	front_has_capability=yes
+	;;
+*) die "FRONT=$FRONT is not a front; set FRONT to ours (the default) or hfendpoint" ;;
+esac
 
 check_port
-check_port_bindable "$uses_hfendpoint"
+check_port_bindable "$front_has_capability"
 command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON: command not found; set PYTHON to the interpreter that has nanovllm-endpoint installed"
+if [ "$FRONT" = hfendpoint ]; then
+	command -v "$daemon" >/dev/null 2>&1 || die "FRONT=hfendpoint but $daemon is not installed; build the image with --build-arg WITH_HFENDPOINT=yes, set HFENDPOINT_BIN, or unset FRONT to use our front"
+else
+	command -v "$FRONT_PYTHON" >/dev/null 2>&1 || die "FRONT_PYTHON=$FRONT_PYTHON: command not found; unset it to run our front on PYTHON"
+fi
 check_model
 
-if [ "$uses_hfendpoint" = yes ]; then
-	log "starting $daemon on $HOST:$PORT (its /health answers 200 once it listens, before the model has loaded)"
+if [ "$FRONT" = hfendpoint ]; then
+	log "starting $daemon on $HOST:$PORT: it forwards only messages and stream, and its /health answers 200 before the model has loaded"
 	exec "$daemon" --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"
 fi
-log "hfendpoint not found: starting the mock daemon (python -m daemon_protocol.mock_daemon) on $HOST:$PORT"
-log "the mock daemon's /health answers 503 until the model has loaded"
-exec "$PYTHON" -m daemon_protocol.mock_daemon --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"
+log "starting our front (python -m front) on $HOST:$PORT; /health answers 503 until the model has loaded"
+exec "$FRONT_PYTHON" -m front --host "$HOST" --port "$PORT" -- "$PYTHON" -m handler "$@"

@@ -3,7 +3,7 @@
     python bench/campaign.py [--kv-blocks 48] [--streams 90] [--phases http,frames,storm,hostage,faults]
 
 Phases:
-- http: bad HTTP inputs through the mock daemon (wrong types, NaN, huge numbers, deep nesting, bad encodings,
+- http: bad HTTP inputs through our front (wrong types, NaN, huge numbers, deep nesting, bad encodings,
   bad roles, missing fields, bad keys, stalled and idle connections), then a normal request;
 - frames: bad MessagePack frames straight to a handler on a socketpair (non-requests, bad ids and names, bad
   data, a duplicate id), each followed by a probe; then corrupt streams (garbage, lengths over the limit),
@@ -12,7 +12,7 @@ Phases:
   whose text must equal their answers when alone;
 - hostage: a looping template and a 21 MB prompt beside a normal request (refused, and with templates trusted,
   the normal request still answered);
-- faults: SIGSTOP/SIGCONT of the handler mid-stream, SIGTERM to the mock daemon mid-stream (every stream ends
+- faults: SIGSTOP/SIGCONT of the handler mid-stream, SIGTERM to our front mid-stream (every stream ends
   with its finish_reason and [DONE], both processes exit 0), SIGKILL of the handler mid-stream.
 
 A failure is a 5xx for a client's mistake that is not a request error reply (issue 21 turns those into 400s:
@@ -41,8 +41,8 @@ from aiohttp import web
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from daemon_protocol.mock_daemon import make_app  # noqa: E402
-from daemon_protocol.worker_connection import WorkerConnection  # noqa: E402
+from front.handler_connection import HandlerConnection  # noqa: E402
+from front.server import make_app  # noqa: E402
 from handler.model_source import packaged_model_path  # noqa: E402
 
 KEY = "campaign-key"
@@ -75,14 +75,14 @@ def handler_env(kv_blocks: int, **extra) -> dict:
 
 
 class Service:
-    """The mock daemon's app and worker connection in this process (so `stats` can be asked over the same
+    """Our front's app and worker connection in this process (so `stats` can be asked over the same
     connection), with `python -m handler` as its worker."""
 
     async def start(self, env: dict, idle_timeout: float = 3.0) -> "Service":
         saved = dict(os.environ)
         os.environ.update(env)  # the worker inherits os.environ
         try:
-            self.connection = WorkerConnection(HANDLER)
+            self.connection = HandlerConnection(HANDLER)
             await self.connection.start()
         finally:
             os.environ.clear()
@@ -532,7 +532,7 @@ def ended_well(result) -> bool:
 
 
 def start_daemon(kv_blocks: int) -> tuple[subprocess.Popen, int, list]:
-    command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--api-key", KEY, "--",
+    command = [sys.executable, "-m", "front", "--port", "0", "--api-key", KEY, "--",
                *HANDLER]
     process = subprocess.Popen(command, env=handler_env(kv_blocks), cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -542,7 +542,7 @@ def start_daemon(kv_blocks: int) -> tuple[subprocess.Popen, int, list]:
         if found := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
             threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
             return process, int(found.group(1)), log
-    raise RuntimeError("the mock daemon exited before listening:\n" + "".join(log))
+    raise RuntimeError("our front exited before listening:\n" + "".join(log))
 
 
 def handler_pid(daemon: subprocess.Popen) -> int:

@@ -1,4 +1,4 @@
-"""How many chat chunks per second the served path's front carries without an engine: the mock daemon, in front
+"""How many chat chunks per second the served path's front carries without an engine: our front, in front
 of this file as a handler (`--serve`: every chat stream yields --tokens one-token chunks, one per event-loop
 iteration), and an aiohttp client streaming --streams requests at once. Prints chunks/s over the wall time and,
 per process (client, daemon, handler), chunks per CPU-second, which stays meaningful when the processes share
@@ -51,13 +51,13 @@ async def stream(session, url: str) -> int:
 
 def start_daemon(tokens: int) -> tuple[subprocess.Popen, str]:
     handler = [sys.executable, os.path.abspath(__file__), "--serve", "--tokens", str(tokens)]
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--", *handler],
+    daemon = subprocess.Popen([sys.executable, "-m", "front", "--port", "0", "--", *handler],
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in daemon.stdout:
         if match := re.search(r"http://127\.0\.0\.1:(\d+)", line):
             return daemon, f"http://127.0.0.1:{match.group(1)}"
-    raise RuntimeError("the mock daemon exited before it listened")
+    raise RuntimeError("our front exited before it listened")
 
 
 async def measure(url: str, streams: int, pids: dict[str, int]) -> None:

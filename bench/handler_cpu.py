@@ -1,8 +1,8 @@
-"""CPU latency and throughput of `python -m handler` serving SmolLM2 behind the mock daemon.
+"""CPU latency and throughput of `python -m handler` serving SmolLM2 behind our front.
 
     python bench/handler_cpu.py [--max-tokens 128] [--concurrency 16] [--repeats 3]
 
-Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` with the packaged
+Starts `python -m front --port 0 -- python -m handler` with the packaged
 SmolLM2-135M-Instruct on CPU, warms up, then reports for one stream the time to first token and the
 decode rate (tokens after the first / time after the first), medians over --repeats runs, and the total
 output tokens/s of --concurrency simultaneous streams. Every stream generates exactly --max-tokens
@@ -29,7 +29,7 @@ from handler.model_source import packaged_model_path  # noqa: E402
 def start_service() -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "MODEL_ID": packaged_model_path(), "HFENDPOINT_DEVICE": "cpu",
            "HFENDPOINT_REPOSITORY_DIR": "/nonexistent"}
-    command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--",
+    command = [sys.executable, "-m", "front", "--port", "0", "--",
                sys.executable, "-m", "handler"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
@@ -38,7 +38,7 @@ def start_service() -> tuple[subprocess.Popen, str]:
         if found:
             threading.Thread(target=sys.stderr.writelines, args=(process.stderr,), daemon=True).start()
             return process, found.group(1) + "/v1"
-    raise RuntimeError("the mock daemon exited before listening")
+    raise RuntimeError("our front exited before listening")
 
 
 async def one_stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[float, float, int]:

@@ -1,4 +1,4 @@
-"""The online benchmark (../shared/bench.md) through the mock daemon's HTTP API, with aiohttp as the client.
+"""The online benchmark (../shared/bench.md) through our front's HTTP API, with aiohttp as the client.
 
     PYTHONPATH=. python3 bench/serve.py                              # concurrency 1, 16, 64, 256
     PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400
@@ -6,7 +6,7 @@
     PYTHONPATH=. python3 bench/serve.py --trace t.json && python3 bench/serve_trace.py t.json   # inside the handler
     PYTHONPATH=. python3 bench/serve.py --trace t.json --trace-stacks ...  # and the engine thread's stacks
 
-Starts `python -m daemon_protocol.mock_daemon --port 0 -- python -m handler` on a model's weights (random
+Starts `python -m front --port 0 -- python -m handler` on a model's weights (random
 Qwen3-0.6B-shaped ones unless --model names another config under bench/models or a model directory), waits for
 /health, warms up, then streams chat completions with `ignore_eos`, so that each request generates exactly its
 max_tokens:
@@ -82,11 +82,11 @@ def prompt_text(token_ids: list[int]) -> str:
 
 # The server
 class Server:
-    """The mock daemon and the handler; the handler's stdout (its access lines) goes to `access_log`."""
+    """Our front and the handler; the handler's stdout (its access lines) goes to `access_log`."""
 
     def __init__(self, model_dir: Path, env: dict[str, str], log_dir: Path):
         self.stderr_path, self.access_log = log_dir / "server.stderr", log_dir / "server.stdout"
-        command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0", "--",
+        command = [sys.executable, "-m", "front", "--host", "127.0.0.1", "--port", "0", "--",
                    sys.executable, "-m", "handler"]
         path = [str(ROOT), env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]
         environment = {**os.environ, **env, "MODEL_ID": str(model_dir), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
@@ -101,7 +101,7 @@ class Server:
         while not (found := re.search(r"listening on (http://\S+)", self.stderr_path.read_text())):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the mock daemon is not listening after 60 s; see {self.stderr_path}")
+                raise RuntimeError(f"our front is not listening after 60 s; see {self.stderr_path}")
             time.sleep(0.1)
         self.url = found.group(1)
 

@@ -2,7 +2,7 @@
 
 A reply `{"id", "error"}` may carry extra keys: "status" (the HTTP status a front daemon should answer
 with), and "param" and "code" (OpenAI's error fields) when they are known. The production daemon ignores
-them and answers 500; the mock daemon answers with them.
+them and answers 500; our front answers with them.
 """
 
 DEFAULT_STATUS = 500  # what a reply without "status" means, and what an unexpected exception gets

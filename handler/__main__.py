@@ -26,8 +26,8 @@ log = logging.getLogger("handler")
 DESCRIPTION = """\
 The handler process behind an inference endpoint's HTTP daemon: it loads the model given by MODEL_ID
 (or the one mounted at HFENDPOINT_REPOSITORY_DIR) and serves chat_completions, tokenize and embeddings
-over the daemon protocol. The daemon spawns it with HFENDPOINT_FD set; run it by hand behind the mock
-daemon: python -m daemon_protocol.mock_daemon -- python -m handler
+over the daemon protocol. The daemon spawns it with HFENDPOINT_FD set; run it by hand behind our
+front: python -m front -- python -m handler
 
 Engine settings come from the environment (HFENDPOINT_MAX_MODEL_LEN, HFENDPOINT_DEVICE, ...): the README's
 Configuration table lists them with their defaults."""

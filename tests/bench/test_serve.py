@@ -38,8 +38,8 @@ def test_the_served_copy_turns_random_ids_into_words_and_back(tmp_path):
     assert (served / "model.safetensors").resolve() == (tmp_path / "tiny" / "model.safetensors").resolve()
 
 
-@pytest.mark.slow  # the mock daemon and a handler process
-def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
+@pytest.mark.slow  # our front and a handler process
+def test_it_measures_each_level_through_our_front_on_cpu(tmp_path):
     model = tiny_model(tmp_path / "tiny")
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
                "--prompt-len", "32", "--output-len", "8", "--concurrency", "1", "3", "--num-prompts", "6"]
@@ -53,7 +53,7 @@ def test_it_measures_each_level_through_the_mock_daemon_on_cpu(tmp_path):
         assert all(float(cell.replace(",", "")) > 0 for cell in cells[3:]), row
 
 
-@pytest.mark.slow  # the mock daemon, a handler process and bench/throughput.py
+@pytest.mark.slow  # our front, a handler process and bench/throughput.py
 def test_the_nanovllm_workload_is_repeated_served_and_offline(tmp_path):
     model = tiny_model(tmp_path / "tiny")
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
@@ -67,7 +67,7 @@ def test_the_nanovllm_workload_is_repeated_served_and_offline(tmp_path):
                      result.stdout)
 
 
-@pytest.mark.slow  # the mock daemon and a handler process
+@pytest.mark.slow  # our front and a handler process
 def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
     model, trace = tiny_model(tmp_path / "tiny"), tmp_path / "trace.json"
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",

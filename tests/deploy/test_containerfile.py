@@ -54,8 +54,10 @@ def test_hadolint_is_clean():
 
 
 def test_every_base_image_has_a_pinned_tag():
-    bases = [expand(args.split()[0]) for keyword, args in instructions() if keyword == "FROM"]
-    assert len(bases) >= 2, bases  # the Rust build stage and the runtime
+    froms = [args.split() for keyword, args in instructions() if keyword == "FROM"]
+    stages = {words[-1] for words in froms if len(words) == 3 and words[1].upper() == "AS"}
+    bases = [expand(words[0]) for words in froms if expand(words[0]) not in stages]
+    assert len(bases) >= 3, bases  # the Rust build stage, its stand-in without hfendpoint, and the runtime
     for image in bases:
         name, _, tag = image.rpartition(":")
         assert name and tag and "/" not in tag, f"{image}: the base image needs an explicit tag"
@@ -82,6 +84,14 @@ def test_runs_as_a_non_root_user_and_serves_port_80_with_a_health_check():
     assert len(healthchecks) == 1 and "/health" in healthchecks[0]
     assert ("ENTRYPOINT", '["/app/entrypoint.sh"]') in instructions(), "ENTRYPOINT must be the exec form"
     assert ("COPY", "--chmod=0755 entrypoint.sh /app/entrypoint.sh") in instructions()
+
+
+def test_hfendpoint_is_built_only_when_asked_for():
+    assert arg_defaults()["WITH_HFENDPOINT"] == "no"
+    froms = [args for keyword, args in instructions() if keyword == "FROM"]
+    assert "hfendpoint-${WITH_HFENDPOINT} AS hfendpoint" in froms
+    assert any(args.endswith("AS hfendpoint-yes") for args in froms)
+    assert any(args.endswith("AS hfendpoint-no") for args in froms)
 
 
 def test_hfendpoint_version_is_pinned_in_one_place():

@@ -1,5 +1,5 @@
 """entrypoint.sh: lint, --help, the early configuration errors, the daemon's command line, and a real run
-(the mock daemon in front of `python -m handler` serving SmolLM2 on CPU) ended by SIGTERM with no orphan."""
+(our front in front of `python -m handler` serving SmolLM2 on CPU) ended by SIGTERM with no orphan."""
 
 import json
 import os
@@ -28,7 +28,7 @@ TRANSPORT_VARIABLES = {"HFENDPOINT_FD", "HFENDPOINT_STDIO", "HFENDPOINT_UNIX_LIS
 def clean_env(tmp_path: Path, **overrides: str) -> dict[str, str]:
     """The caller's environment without any model or daemon choice of its own, and no /repository."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST")}
+           if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST", "FRONT", "FRONT_PYTHON")}
     env.update(HFENDPOINT_REPOSITORY_DIR=str(tmp_path / "no-repository"), PYTHON=sys.executable, HF_HUB_OFFLINE="1")
     env.update(overrides)
     return env
@@ -71,7 +71,8 @@ def variables_the_code_reads() -> set[str]:
 def test_help_lists_every_variable_read_here_or_by_the_handler(tmp_path, flag):
     result = run(clean_env(tmp_path), flag)
     assert result.returncode == 0, result.stderr
-    own = {"PORT", "HOST", "PYTHON", "MODEL_ID", "HF_TOKEN", "HFENDPOINT_BIN", "HFENDPOINT_REPOSITORY_DIR"}
+    own = {"PORT", "HOST", "PYTHON", "FRONT", "FRONT_PYTHON", "MODEL_ID", "HF_TOKEN", "HFENDPOINT_BIN",
+           "HFENDPOINT_REPOSITORY_DIR"}
     listed = set(re.findall(r"\b[A-Z][A-Z_]*[A-Z]\b", result.stdout))
     missing = (own | variables_the_code_reads()) - listed
     assert not missing, f"entrypoint.sh --help does not list {sorted(missing)}"
@@ -88,21 +89,32 @@ def test_a_model_path_that_does_not_exist_fails_at_once(tmp_path, model_id):
 
 @pytest.mark.parametrize("port", ["http", "0", "70000", "-1", "80x"])
 def test_a_bad_port_fails_at_once(tmp_path, port):
-    assert_one_line_error(run(clean_env(tmp_path, PORT=port, HFENDPOINT_BIN="true")), "PORT=")
+    assert_one_line_error(run(clean_env(tmp_path, PORT=port, FRONT="hfendpoint", HFENDPOINT_BIN="true")), "PORT=")
 
 
-def test_a_daemon_that_is_not_there_fails_at_once(tmp_path):
-    assert_one_line_error(run(clean_env(tmp_path, HFENDPOINT_BIN="/no/such/hfendpoint")),
-                          "HFENDPOINT_BIN=/no/such/hfendpoint")
+def test_hfendpoint_asked_for_but_not_there_fails_at_once(tmp_path):
+    assert_one_line_error(run(clean_env(tmp_path, FRONT="hfendpoint", HFENDPOINT_BIN="/no/such/hfendpoint")),
+                          "FRONT=hfendpoint", "/no/such/hfendpoint", "WITH_HFENDPOINT=yes")
+
+
+def test_an_unknown_front_fails_at_once(tmp_path):
+    assert_one_line_error(run(clean_env(tmp_path, FRONT="nginx")), "FRONT=nginx", "ours")
+
+
+def test_our_front_is_the_default_and_gets_host_port_and_the_handler_command(tmp_path):
+    result = run(clean_env(tmp_path, FRONT_PYTHON="echo", PORT="8123"), "--extra")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"-m front --host 0.0.0.0 --port 8123 -- {sys.executable} -m handler --extra\n"
+    assert "starting our front" in result.stderr
 
 
 def test_a_python_that_is_not_there_fails_at_once(tmp_path):
-    assert_one_line_error(run(clean_env(tmp_path, PYTHON="/no/such/python", HFENDPOINT_BIN="true")),
+    assert_one_line_error(run(clean_env(tmp_path, PYTHON="/no/such/python", FRONT="hfendpoint", HFENDPOINT_BIN="true")),
                           "PYTHON=/no/such/python")
 
 
-def test_the_daemon_gets_host_port_and_the_handler_command_with_extra_arguments(tmp_path):
-    result = run(clean_env(tmp_path, HFENDPOINT_BIN="echo", PORT="8123"), "--extra", "two words")
+def test_hfendpoint_gets_host_port_and_the_handler_command_with_extra_arguments(tmp_path):
+    result = run(clean_env(tmp_path, FRONT="hfendpoint", HFENDPOINT_BIN="echo", PORT="8123"), "--extra", "two words")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"--host 0.0.0.0 --port 8123 -- {sys.executable} -m handler --extra two words\n"
     assert "starting echo on 0.0.0.0:8123" in result.stderr
@@ -113,14 +125,15 @@ def test_a_mounted_model_wins_over_model_id(tmp_path):
     repository.mkdir()
     (repository / "config.json").write_text("{}")
     env = clean_env(tmp_path, HFENDPOINT_REPOSITORY_DIR=str(repository), MODEL_ID="/no/such/model",
-                    HFENDPOINT_BIN="true")
+                    FRONT="hfendpoint", HFENDPOINT_BIN="true")
     result = run(env)
     assert result.returncode == 0, result.stderr
     assert f"serving the model mounted at {repository}" in result.stderr
 
 
 def test_a_hub_id_is_left_to_the_handler(tmp_path):
-    result = run(clean_env(tmp_path, MODEL_ID="HuggingFaceTB/SmolLM2-135M-Instruct", HFENDPOINT_BIN="true"))
+    result = run(clean_env(tmp_path, MODEL_ID="HuggingFaceTB/SmolLM2-135M-Instruct", FRONT="hfendpoint",
+                           HFENDPOINT_BIN="true"))
     assert result.returncode == 0, result.stderr
 
 
@@ -137,15 +150,13 @@ def first_unprivileged_port() -> int:
 @pytest.mark.skipif(first_unprivileged_port() <= 80, reason="port 80 is not privileged on this machine")
 def test_a_non_root_user_without_the_capability_is_told_to_move_off_port_80(tmp_path):
     env = clean_env(tmp_path, PORT="80", PATH="/usr/bin:/bin")
-    if shutil.which("hfendpoint", path=env["PATH"]):
-        pytest.skip("hfendpoint is installed system-wide here")
     assert_one_line_error(run(env, prefix=AS_NOBODY), "cannot bind port 80", "ip_unprivileged_port_start")
 
 
 @needs_root
 @pytest.mark.skipif(first_unprivileged_port() <= 80, reason="port 80 is not privileged on this machine")
 def test_no_new_privs_disables_the_daemon_capability_and_says_so(tmp_path):
-    env = clean_env(tmp_path, PORT="80", HFENDPOINT_BIN="true", PYTHON="true")
+    env = clean_env(tmp_path, PORT="80", FRONT="hfendpoint", HFENDPOINT_BIN="true", PYTHON="true")
     assert run(env, prefix=AS_NOBODY).returncode == 0  # the file capability counts: the check lets it start
     assert_one_line_error(run(env, prefix=(*AS_NOBODY, "--no-new-privs")), "cannot bind port 80")
 
@@ -219,7 +230,7 @@ def test_serves_a_chat_completion_and_health_then_stops_on_sigterm_with_no_orpha
 
         daemon_cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert Path(daemon_cmdline.split()[0]).name not in ("sh", "dash", "bash"), "the entrypoint must exec the daemon"
-        assert "daemon_protocol.mock_daemon" in daemon_cmdline or "hfendpoint" in daemon_cmdline
+        assert "-m front" in daemon_cmdline
         handlers = [pid for pid, cmdline in processes_in_session(process.pid) if "-m handler" in cmdline]
         assert handlers, "the handler is not running under the daemon"
 
@@ -235,8 +246,7 @@ def test_serves_a_chat_completion_and_health_then_stops_on_sigterm_with_no_orpha
             process.wait()
         log.seek(0)
         print(log.read())
-    if not shutil.which("hfendpoint"):
-        assert "hfendpoint not found: starting the mock daemon" in (tmp_path / "log").read_text()
+    assert "starting our front" in (tmp_path / "log").read_text()
 
 
 def test_a_bad_engine_variable_stops_the_whole_service_with_its_name(tmp_path):

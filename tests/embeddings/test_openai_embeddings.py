@@ -1,4 +1,4 @@
-"""all-MiniLM-L6-v2 served by `python -m handler` behind the mock daemon, called by the real openai client."""
+"""all-MiniLM-L6-v2 served by `python -m handler` behind our front, called by the real openai client."""
 import os
 import re
 import signal
@@ -13,7 +13,7 @@ import pytest
 from model_packages import minilm_dir_or_skip
 from transformers import AutoTokenizer
 
-pytestmark = pytest.mark.slow  # the handler and mock daemon serving MiniLM
+pytestmark = pytest.mark.slow  # the handler and front serving MiniLM
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " * 3]
@@ -26,10 +26,10 @@ def minilm_path() -> str:
 
 @pytest.fixture(scope="module")
 def client(minilm_path, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("minilm") / "mock_daemon.log"
+    log_path = tmp_path_factory.mktemp("minilm") / "front_server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HFENDPOINT_")}
     env.update(MODEL_ID=minilm_path, HFENDPOINT_DEVICE="cpu", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0",
+    command = [sys.executable, "-m", "front", "--host", "127.0.0.1", "--port", "0",
                "--", sys.executable, "-m", "handler"]
     with open(log_path, "wb") as log:
         daemon = subprocess.Popen(command, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=log)

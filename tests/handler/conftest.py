@@ -7,8 +7,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from daemon_protocol.mock_daemon import make_app
-from daemon_protocol.worker_connection import WorkerConnection
+from front.handler_connection import HandlerConnection
+from front.server import make_app
 from handler.model_source import packaged_model_path
 from handler.tokenizer import load_tokenizer
 
@@ -26,8 +26,8 @@ def smollm2_tokenizer(smollm2_path):
     return load_tokenizer(smollm2_path)
 
 
-class HostedMockDaemon:
-    """The mock daemon (its HTTP app and worker connection) on a background event loop in this process,
+class HostedFrontServer:
+    """Our front (its HTTP app and worker connection) on a background event loop in this process,
     so a test can both speak HTTP to it and send the worker requests of its own (`stats`) over the same
     daemon protocol connection. The worker is a real `python -m handler` child process."""
 
@@ -44,7 +44,7 @@ class HostedMockDaemon:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     async def _start(self, command: list[str]) -> None:
-        self.connection = WorkerConnection(command)
+        self.connection = HandlerConnection(command)
         await self.connection.start()
         self.runner = web.AppRunner(make_app(self.connection, None, 300.0), handler_cancellation=True)
         await self.runner.setup()
@@ -70,12 +70,12 @@ class HostedMockDaemon:
 
 @pytest.fixture(scope="session")
 def smollm2_service(smollm2_path, tmp_path_factory):
-    """`python -m handler` serving SmolLM2 on CPU behind the mock daemon, started once per session, named
+    """`python -m handler` serving SmolLM2 on CPU behind our front, started once per session, named
     "smollm2-test"; its stdout (the access lines) goes to the file `daemon.handler_stdout`."""
     env = {"MODEL_ID": smollm2_path, "HFENDPOINT_DEVICE": "cpu", "HFENDPOINT_MAX_MODEL_LEN": "512",
            "HFENDPOINT_REPOSITORY_DIR": "/nonexistent", "HF_HUB_OFFLINE": "1", "HFENDPOINT_MODEL_NAME": "smollm2-test"}
     stdout = tmp_path_factory.mktemp("handler") / "stdout"
-    daemon = HostedMockDaemon(["sh", "-c", 'exec "$@" >"$0"', str(stdout), sys.executable, "-m", "handler"], env)
+    daemon = HostedFrontServer(["sh", "-c", 'exec "$@" >"$0"', str(stdout), sys.executable, "-m", "handler"], env)
     daemon.handler_stdout = stdout
     daemon.call("models")  # answered once the model is loaded
     yield daemon

@@ -1,4 +1,4 @@
-"""Structured outputs, forced tool calls, logprobs and n > 1 through the mock daemon with the openai client, on
+"""Structured outputs, forced tool calls, logprobs and n > 1 through our front with the openai client, on
 the packaged SmolLM2 (its chat template knows no tools: forced calls work whatever the template)."""
 import json
 from typing import Literal
@@ -7,7 +7,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind the mock daemon
+pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind our front
 
 ASK_CITY = [{"role": "user", "content": "Describe Paris as a city record."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]

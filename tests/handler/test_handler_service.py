@@ -1,4 +1,4 @@
-"""`python -m handler` serving SmolLM2 on CPU behind the mock daemon, driven by the real openai client."""
+"""`python -m handler` serving SmolLM2 on CPU behind our front, driven by the real openai client."""
 
 import asyncio
 import json
@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind the mock daemon
+pytestmark = pytest.mark.slow  # SmolLM2 served by the handler behind our front
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish.", "What is 2 + 2?"]

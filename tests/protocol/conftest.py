@@ -1,4 +1,4 @@
-"""Fixtures for the protocol tests: a handler process on a socketpair, and the mock daemon."""
+"""Fixtures for the protocol tests: a handler process on a socketpair, and our front."""
 import signal
 import socket
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from protocol_support import ECHO_WORKER, HandlerClient, MockDaemon, child_env, start_mock_daemon, stop_process
+from protocol_support import ECHO_WORKER, FrontServer, HandlerClient, child_env, start_front_server, stop_process
 
 
 @pytest.fixture
@@ -42,11 +42,11 @@ def handler(spawn_handler) -> HandlerClient:
 
 
 @pytest.fixture
-def spawn_mock_daemon(tmp_path):
+def spawn_front_server(tmp_path):
     started = []
 
-    def spawn(**kwargs) -> MockDaemon:
-        daemon = start_mock_daemon(tmp_path, **kwargs)
+    def spawn(**kwargs) -> FrontServer:
+        daemon = start_front_server(tmp_path, **kwargs)
         started.append(daemon)
         return daemon
 
@@ -56,8 +56,8 @@ def spawn_mock_daemon(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mock_daemon(tmp_path_factory):
-    """One mock daemon (api key 'test-key') driving echo_worker.py, shared by a module's tests."""
-    daemon = start_mock_daemon(tmp_path_factory.mktemp("mock_daemon"), api_key="test-key")
+def front_server(tmp_path_factory):
+    """One front (api key 'test-key') driving echo_worker.py, shared by a module's tests."""
+    daemon = start_front_server(tmp_path_factory.mktemp("front_server"), api_key="test-key")
     yield daemon
     stop_process(daemon.proc)

@@ -1,4 +1,4 @@
-"""Helpers for the protocol tests: play the daemon against a handler process; start the mock daemon."""
+"""Helpers for the protocol tests: play the daemon against a handler process; start our front."""
 import os
 import re
 import signal
@@ -84,7 +84,7 @@ class HandlerClient:
         return self._stderr_path.read_text()
 
 
-class MockDaemon:
+class FrontServer:
     def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
         self.proc, self.log_path = proc, log_path
         self.port = 0
@@ -97,7 +97,7 @@ class MockDaemon:
         deadline = time.monotonic() + timeout
         while not (match := re.search(pattern, self.log())):
             if time.monotonic() > deadline:
-                raise AssertionError(f"{pattern!r} not in the mock daemon's log:\n{self.log()}")
+                raise AssertionError(f"{pattern!r} not in our front's log:\n{self.log()}")
             time.sleep(0.02)
         return match.group(0)
 
@@ -123,11 +123,11 @@ class MockDaemon:
         return int(children[0])
 
 
-def start_mock_daemon(tmp_path: Path, api_key: str | None = None, extra=(), env=None, ready=True) -> MockDaemon:
-    """Start the mock daemon on a free port in front of echo_worker.py (with `env` added to its environment);
+def start_front_server(tmp_path: Path, api_key: str | None = None, extra=(), env=None, ready=True) -> FrontServer:
+    """Start our front on a free port in front of echo_worker.py (with `env` added to its environment);
     its stderr goes to a file. With `ready`, wait until /health says the worker serves."""
-    log_path = tmp_path / f"mock_daemon_{time.monotonic_ns()}.log"
-    args = [sys.executable, "-m", "daemon_protocol.mock_daemon", "--host", "127.0.0.1", "--port", "0", *extra]
+    log_path = tmp_path / f"front_{time.monotonic_ns()}.log"
+    args = [sys.executable, "-m", "front", "--host", "127.0.0.1", "--port", "0", *extra]
     if api_key:
         args += ["--api-key", api_key]
     args += ["--", sys.executable, ECHO_WORKER]
@@ -135,7 +135,7 @@ def start_mock_daemon(tmp_path: Path, api_key: str | None = None, extra=(), env=
     env.pop("HFENDPOINT_API_KEY", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stderr=log, cwd=ROOT)
-    daemon = MockDaemon(proc, log_path)
+    daemon = FrontServer(proc, log_path)
     try:
         line = daemon.wait_for_log(r"listening on http://127\.0\.0\.1:(\d+)")
         daemon.port = int(line.rsplit(":", 1)[1])

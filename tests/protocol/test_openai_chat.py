@@ -1,22 +1,22 @@
-"""The mock daemon turns the extended chat payloads (docs/chat-extensions.md) into OpenAI's JSON and SSE:
+"""Our front turns the extended chat payloads (docs/chat-extensions.md) into OpenAI's JSON and SSE:
 choices by index, tool calls, reasoning_content, logprobs, per-choice finish reasons, usage."""
 import json
 
 import openai
 import pytest
 
-from daemon_protocol.openai_chat import ChatReply, stream_choice
+from front.openai_chat import ChatReply, stream_choice
 
 KEY = "test-key"
 ASK = [{"role": "user", "content": "weather?"}]
 
 
 @pytest.fixture(scope="module")
-def client(mock_daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{mock_daemon.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
+def client(front_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{front_server.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
 
 
-@pytest.mark.slow  # the mock daemon and its worker as processes
+@pytest.mark.slow  # our front and its worker as processes
 def test_non_streaming_choices_carry_tool_calls_reasoning_and_logprobs(client):
     reply = client.chat.completions.create(model="features", messages=ASK)
     first, second = reply.choices

@@ -1,31 +1,31 @@
-"""Is the worker behind the mock daemon ready, and still alive? The answer behind /health.
+"""Is the handler behind our front ready, and still alive? The answer behind /health.
 
-The worker is ready once it has answered its first `models` call (it reads the protocol only after its
+The handler is ready once it has answered its first `models` call (it reads the protocol only after its
 model has loaded). From then on a `stats` probe goes out every PROBE_INTERVAL_S, one at a time; a probe left
-unanswered longer than the health timeout (a stopped or wedged worker) makes it unhealthy until it answers,
+unanswered longer than the health timeout (a stopped or wedged handler) makes it unhealthy until it answers,
 and so does its exit. The last `stats` answer feeds /metrics. Any reply counts as alive, an error reply
-too (a worker without a `models` or `stats` handler still answers).
+too (a handler without a `models` or `stats` handler still answers).
 """
 import asyncio
 import time
 
-from .worker_connection import WorkerConnection, WorkerError, WorkerGone
+from .handler_connection import HandlerConnection, HandlerError, HandlerGone
 
 PROBE_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 5.0
 
 
-class WorkerHealth:
-    def __init__(self, connection: WorkerConnection, timeout: float = HEALTH_TIMEOUT_S) -> None:
+class HandlerHealth:
+    def __init__(self, connection: HandlerConnection, timeout: float = HEALTH_TIMEOUT_S) -> None:
         self._connection = connection
         self._timeout = timeout
         self.ready = False
-        self.model_name: str | None = None  # the worker's answer to `models`
+        self.model_name: str | None = None  # the handler's answer to `models`
         self.stats: dict = {}               # its last answer to `stats`
         self._probe_sent_at: float | None = None
 
     async def watch(self) -> None:
-        """Probe until the worker is gone (run as a task; cancel it to stop)."""
+        """Probe until the handler is gone (run as a task; cancel it to stop)."""
         try:
             info = await self._probe("models")
             if isinstance(info, dict) and isinstance(info.get("id"), str) and info["id"]:
@@ -36,26 +36,26 @@ class WorkerHealth:
                 stats = await self._probe("stats")
                 if isinstance(stats, dict):
                     self.stats = stats
-        except WorkerGone:
+        except HandlerGone:
             pass
 
     async def _probe(self, name: str):
-        """The worker's answer (None for an error reply), however long it takes: the age of the probe in
+        """The handler's answer (None for an error reply), however long it takes: the age of the probe in
         flight is what problem() judges."""
         self._probe_sent_at = time.monotonic()
         try:
             return await self._connection.call(name, None, timeout=None)
-        except WorkerError:
+        except HandlerError:
             return None
         finally:
             self._probe_sent_at = None
 
     def problem(self) -> str | None:
-        """Why the worker cannot serve now, or None when it can."""
+        """Why the handler cannot serve now, or None when it can."""
         if self._connection.gone:
-            return "the worker has exited"
+            return "the handler has exited"
         if not self.ready:
-            return "the worker is starting (loading its model)"
+            return "the handler is starting (loading its model)"
         if self._probe_sent_at is not None and time.monotonic() - self._probe_sent_at > self._timeout:
-            return f"the worker has not answered a health probe for {time.monotonic() - self._probe_sent_at:.0f} s"
+            return f"the handler has not answered a health probe for {time.monotonic() - self._probe_sent_at:.0f} s"
         return None

@@ -1,4 +1,4 @@
-"""The mock daemon's side of the protocol: spawn the worker exactly as the production daemon does,
+"""The front's side of the protocol: spawn the handler exactly as the production daemon does,
 number requests, route reply chunks to per-request queues, send `cancel`.
 
 Like the production daemon, a request's queue is bounded (10 chunks for chat, 1 otherwise) and a
@@ -13,24 +13,24 @@ import subprocess
 
 import msgpack
 
-from .errors import DEFAULT_STATUS
-from .log import error
+from daemon_protocol.errors import DEFAULT_STATUS
+from daemon_protocol.log import error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
 CHAT_QUEUE_CHUNKS = 10
 EXIT_TIMEOUT_S = 60.0  # after EOF: more than the handler's default drain timeout (HFENDPOINT_DRAIN_TIMEOUT, 30 s)
 
 
-class WorkerGone(Exception):
-    """The worker closed its socket or died."""
+class HandlerGone(Exception):
+    """The handler closed its socket or died."""
 
 
 class UnencodableRequest(ValueError):
     """The request holds a value MessagePack cannot carry (an integer outside 64 bits)."""
 
 
-class WorkerError(Exception):
-    """The worker answered a request with an error reply; status, param and code come from its extra keys
+class HandlerError(Exception):
+    """The handler answered a request with an error reply; status, param and code come from its extra keys
     (docs/errors.md), status 500 when it has none."""
 
     def __init__(self, message: str, status: int = DEFAULT_STATUS, param: str | None = None,
@@ -39,7 +39,7 @@ class WorkerError(Exception):
         self.status, self.param, self.code = status, param, code
 
     @classmethod
-    def from_reply(cls, reply: dict) -> "WorkerError":
+    def from_reply(cls, reply: dict) -> "HandlerError":
         status = reply.get("status")
         if type(status) is not int or not 400 <= status <= 599:
             status = DEFAULT_STATUS
@@ -55,9 +55,9 @@ _GONE = object()
 
 class RequestStream:
     """The reply chunks of one request, in order. Iterating yields each `data` payload; an error
-    reply raises WorkerError, losing the worker raises WorkerGone."""
+    reply raises HandlerError, losing the handler raises HandlerGone."""
 
-    def __init__(self, connection: "WorkerConnection", request_id: int, queue_size: int) -> None:
+    def __init__(self, connection: "HandlerConnection", request_id: int, queue_size: int) -> None:
         self.id = request_id
         self._connection = connection
         self.queue: asyncio.Queue = asyncio.Queue(queue_size)
@@ -68,24 +68,24 @@ class RequestStream:
             async with asyncio.timeout(timeout):
                 reply = await self.queue.get()
         except TimeoutError:
-            raise TimeoutError(f"the worker sent nothing for request {self.id} in {timeout:g} s") from None
+            raise TimeoutError(f"the handler sent nothing for request {self.id} in {timeout:g} s") from None
         if reply is _GONE:
-            raise WorkerGone("the worker exited")
+            raise HandlerGone("the handler exited")
         if isinstance(reply.get("error"), str):
             self.finished = True  # an error reply ends the request: nothing is left to cancel
-            raise WorkerError.from_reply(reply)
+            raise HandlerError.from_reply(reply)
         if "data" not in reply or reply["data"] is None:
-            raise WorkerError(f"the worker's reply for request {self.id} has neither data nor error")
+            raise HandlerError(f"the handler's reply for request {self.id} has neither data nor error")
         return reply["data"]
 
     def close(self) -> None:
-        """Stop tracking the request; if it had not finished, ask the worker to cancel it."""
+        """Stop tracking the request; if it had not finished, ask the handler to cancel it."""
         self._connection.forget(self.id)
         if not self.finished:
             self._connection.send({"id": self.id, "name": "cancel"})
 
 
-class WorkerConnection:
+class HandlerConnection:
     def __init__(self, command: list[str]) -> None:
         self.command = command
         self.process: asyncio.subprocess.Process | None = None
@@ -101,7 +101,7 @@ class WorkerConnection:
         return self.closed is None or self.closed.done()
 
     async def start(self) -> None:
-        """Spawn the worker on the child end of a socketpair (docs/protocol.md section 1)."""
+        """Spawn the handler on the child end of a socketpair (docs/protocol.md section 1)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for sock in (parent, child):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -121,7 +121,8 @@ class WorkerConnection:
 
     def open(self, name: str, data, queue_size: int = 1) -> RequestStream:
         if self.gone or self._eof_sent:
-            raise WorkerGone("the worker is not running" if self.gone else "the worker is finishing its last requests")
+            raise HandlerGone("the handler is not running" if self.gone
+                              else "the handler is finishing its last requests")
         request_id = next(self._ids)
         try:
             packed = msgpack.packb({"id": request_id, "name": name, "data": data})
@@ -149,12 +150,12 @@ class WorkerConnection:
             self._writer.write(msgpack.packb(message))
 
     async def drain(self) -> None:
-        """Wait while the socket to the worker is full (bounded memory for big request bodies)."""
+        """Wait while the socket to the handler is full (bounded memory for big request bodies)."""
         if not self.gone:
             try:
                 await self._writer.drain()
             except ConnectionError as exc:
-                raise WorkerGone(f"lost the worker's socket: {exc}") from None
+                raise HandlerGone(f"lost the handler's socket: {exc}") from None
 
     def forget(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
@@ -167,9 +168,9 @@ class WorkerConnection:
                 for reply in unpacker:
                     await self._route(reply)
         except (ValueError, msgpack.UnpackException) as exc:
-            error(f"the worker sent bytes that are not MessagePack ({exc}); dropping the connection")
+            error(f"the handler sent bytes that are not MessagePack ({exc}); dropping the connection")
         except ConnectionError as exc:
-            error(f"lost the worker's socket: {exc}")
+            error(f"lost the handler's socket: {exc}")
         finally:
             self._mark_gone()
 
@@ -197,14 +198,14 @@ class WorkerConnection:
             try:
                 line = await stderr.readline()
             except ValueError:  # asyncio drops a line longer than the reader's limit
-                error("worker stderr: (a line longer than 1 MiB was dropped)")
+                error("handler stderr: (a line longer than 1 MiB was dropped)")
                 continue
             if not line:
                 return
-            error(f"worker stderr: {line.decode(errors='replace').rstrip()}")
+            error(f"handler stderr: {line.decode(errors='replace').rstrip()}")
 
     async def stop(self) -> int:
-        """Drop our write half (the worker sees EOF), wait for it to exit and return its exit code."""
+        """Drop our write half (the handler sees EOF), wait for it to exit and return its exit code."""
         if self._writer is not None and not self._writer.is_closing():
             self._eof_sent = True
             try:
@@ -214,7 +215,7 @@ class WorkerConnection:
         try:
             code = await asyncio.wait_for(self.process.wait(), EXIT_TIMEOUT_S)
         except asyncio.TimeoutError:
-            error(f"the worker did not exit {EXIT_TIMEOUT_S:.0f} s after EOF; killing it")
+            error(f"the handler did not exit {EXIT_TIMEOUT_S:.0f} s after EOF; killing it")
             os.killpg(self.process.pid, signal.SIGKILL)
             code = await self.process.wait()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,9 +1,9 @@
-"""The mock daemon's GET /metrics: Prometheus text through prometheus-client.
+"""The front's GET /metrics: Prometheus text through prometheus-client.
 
 Measured here, per HTTP request: counts by route and status, the request's duration, time to first token
-and time per output token of chat requests. From the worker's `stats` handler (the health probe's last
+and time per output token of chat requests. From the handler's `stats` handler (the health probe's last
 answer): running and waiting requests, KV cache blocks used and total, prefix-cache hit rate, preemptions,
-and whether the worker is ready.
+and whether the handler is ready.
 """
 from collections.abc import Callable
 
@@ -21,7 +21,7 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
 
 
 class ServingMetrics:
-    def __init__(self, engine_stats: Callable[[], dict], worker_ready: Callable[[], bool]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict], handler_ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -33,7 +33,7 @@ class ServingMetrics:
         self.time_per_output_token = Histogram(
             f"{PREFIX}_time_per_output_token_seconds", "Chat requests: time from the first chunk to the last, "
             "per output token after the first", buckets=TPOT_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine_stats, worker_ready))
+        self.registry.register(_EngineCollector(engine_stats, handler_ready))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -50,14 +50,14 @@ class ServingMetrics:
 
 
 class _EngineCollector:
-    """The worker's own numbers at scrape time."""
+    """The handler's own numbers at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], dict], worker_ready: Callable[[], bool]) -> None:
-        self._engine_stats, self._worker_ready = engine_stats, worker_ready
+    def __init__(self, engine_stats: Callable[[], dict], handler_ready: Callable[[], bool]) -> None:
+        self._engine_stats, self._handler_ready = engine_stats, handler_ready
 
     def collect(self):
-        yield GaugeMetricFamily(f"{PREFIX}_worker_ready", "1 while the worker answers its health probes",
-                                value=int(self._worker_ready()))
+        yield GaugeMetricFamily(f"{PREFIX}_worker_ready", "1 while the handler answers its health probes",
+                                value=int(self._handler_ready()))
         stats = self._engine_stats()
         gauges = (("running", "num_requests_running", "Requests being generated"),
                   ("waiting", "num_requests_waiting", "Requests queued for the engine"),

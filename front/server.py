@@ -1,16 +1,16 @@
 """An OpenAI-compatible HTTP front that drives a handler process like the production daemon does.
 
-    python -m daemon_protocol.mock_daemon [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- WORKER_CMD...
+    python -m front [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- HANDLER_CMD...
 
 Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions (SSE when
 "stream": true), POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the
-worker as `data`; a client that disconnects mid-stream makes the daemon send `cancel`. Port 0 picks a free
+handler as `data`; a client that disconnects mid-stream makes the front send `cancel`. Port 0 picks a free
 port; the address is logged as "listening on http://HOST:PORT".
 
-Unlike the production daemon, it answers a worker's error reply with the HTTP status the reply carries
-(docs/errors.md), names the model as the worker does (its `models` reply), and /health answers 503 until
-the worker has loaded its model and whenever it stops answering (daemon_protocol/worker_health.py).
-On SIGINT/SIGTERM it stops accepting connections, lets the responses in flight finish (the worker sees EOF and
+Unlike the production daemon, it answers a handler's error reply with the HTTP status the reply carries
+(docs/errors.md), names the model as the handler does (its `models` reply), and /health answers 503 until
+the handler has loaded its model and whenever it stops answering (front/handler_health.py).
+On SIGINT/SIGTERM it stops accepting connections, lets the responses in flight finish (the handler sees EOF and
 drains), then exits.
 """
 import argparse
@@ -29,24 +29,25 @@ import uuid
 
 from aiohttp import web
 
-from .log import error
+from daemon_protocol.log import error
+
+from .handler_connection import CHAT_QUEUE_CHUNKS, HandlerConnection, HandlerError, HandlerGone, UnencodableRequest
+from .handler_health import HEALTH_TIMEOUT_S, HandlerHealth
+from .metrics import CONTENT_TYPE, ServingMetrics
 from .openai_chat import ChatReply, stream_choice
-from .serving_metrics import CONTENT_TYPE, ServingMetrics
-from .worker_connection import CHAT_QUEUE_CHUNKS, UnencodableRequest, WorkerConnection, WorkerError, WorkerGone
-from .worker_health import HEALTH_TIMEOUT_S, WorkerHealth
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
 IDLE_TIMEOUT_S = 75.0    # a connection with no request, or a request body, silent this long is closed
 MAX_TOKEN_ID = (1 << 32) - 1
-DEFAULT_MODEL_NAME = "hfendpoint"  # for a worker that does not answer `models` with an id
+DEFAULT_MODEL_NAME = "hfendpoint"  # for a handler that does not answer `models` with an id
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-CONNECTION = web.AppKey("connection", WorkerConnection)
+CONNECTION = web.AppKey("connection", HandlerConnection)
 SETTINGS = web.AppKey("settings", dict)
-HEALTH = web.AppKey("health", WorkerHealth)
+HEALTH = web.AppKey("health", HandlerHealth)
 METRICS = web.AppKey("metrics", ServingMetrics)
-log = logging.getLogger("mock_daemon")
+log = logging.getLogger("front")
 
 
 class ApiError(Exception):
@@ -97,10 +98,10 @@ async def openai_errors(request: web.Request, handler):
         return error_response(exc.status, exc.message, exc.param, exc.code)
     except UnencodableRequest as exc:
         return error_response(400, str(exc))
-    except WorkerError as exc:
+    except HandlerError as exc:
         return error_response(exc.status, str(exc), exc.param, exc.code)
-    except WorkerGone as exc:
-        return error_response(503, f"{exc}; the endpoint is shutting down", code="worker_unavailable")
+    except HandlerGone as exc:
+        return error_response(503, f"{exc}; the endpoint is shutting down", code="handler_unavailable")
     except TimeoutError as exc:
         return error_response(500, str(exc), code="timeout")
     except web.HTTPException as exc:
@@ -148,7 +149,7 @@ async def read_json_object(request: web.Request) -> dict:
 
 
 def model_name(request: web.Request) -> str:
-    """The served model's name, as the worker gives it (HFENDPOINT_MODEL_NAME, MODEL_ID or the model's own
+    """The served model's name, as the handler gives it (HFENDPOINT_MODEL_NAME, MODEL_ID or the model's own
     name): every reply carries it whatever the request's `model` said, as OpenAI's servers do."""
     return request.app[HEALTH].model_name or DEFAULT_MODEL_NAME
 
@@ -160,7 +161,7 @@ def optional_type(body: dict, key: str, types, what: str) -> None:
 
 # Health, metrics and models
 async def health(request: web.Request) -> web.Response:
-    """200 while the worker serves; 503 (saying why) while it loads, after it exits, or while it does not
+    """200 while the handler serves; 503 (saying why) while it loads, after it exits, or while it does not
     answer its probes."""
     problem = request.app[HEALTH].problem()
     return web.Response(text="ok") if problem is None else web.Response(status=503, text=problem)
@@ -173,7 +174,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     health = request.app[HEALTH]
     if not health.ready:
-        raise ApiError(503, f"{health.problem()}; try again shortly", code="worker_unavailable")
+        raise ApiError(503, f"{health.problem()}; try again shortly", code="handler_unavailable")
     return web.json_response({"object": "list", "data": [
         {"id": model_name(request), "object": "model", "created": request.app[SETTINGS]["started"],
          "owned_by": "hfendpoint"}]})
@@ -222,7 +223,7 @@ async def chat_chunks(request: web.Request, stream):
     while True:
         payload = await stream.next(request.app[SETTINGS]["chunk_timeout"])
         if not isinstance(payload, dict):
-            raise WorkerError(f"the worker sent a chat chunk that is not a map: {payload!r:.100}")
+            raise HandlerError(f"the handler sent a chat chunk that is not a map: {payload!r:.100}")
         if first_chunk_s is None:
             first_chunk_s = time.perf_counter() - started
         if payload.get("finish_reason") is not None:
@@ -253,7 +254,7 @@ def sse(obj) -> bytes:
 
 async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
     """SSE: one chat.completion.chunk per reply chunk. The response starts with the first chunk, so
-    a request the worker rejects at once still gets a plain HTTP error with the reply's status."""
+    a request the handler rejects at once still gets a plain HTTP error with the reply's status."""
     stream = await open_chat(request, body)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
@@ -272,10 +273,10 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
                     await response.prepare(request)
                 usage = payload.get("usage") or usage
                 await response.write(sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})}))
-        except (WorkerError, WorkerGone, TimeoutError) as exc:
+        except (HandlerError, HandlerGone, TimeoutError) as exc:
             if response is None:
                 raise
-            status, param, code = ((exc.status, exc.param, exc.code) if isinstance(exc, WorkerError)
+            status, param, code = ((exc.status, exc.param, exc.code) if isinstance(exc, HandlerError)
                                    else (500, None, None))
             await response.write(b"event: error\n" + sse(error_body(status, str(exc), param, code)))
             return response
@@ -322,7 +323,7 @@ def encode_embedding(vector: list[float], encoding_format: str):
 
 async def embeddings(request: web.Request) -> web.Response:
     """Like the production daemon: strings go through `tokenize`, then token lists through `embeddings`.
-    `truncate_prompt_tokens` (vLLM's name) travels with both; the worker checks it and, when inputs are
+    `truncate_prompt_tokens` (vLLM's name) travels with both; the handler checks it and, when inputs are
     cut, says how many tokens it embedded (its reply's usage)."""
     body = await read_json_object(request)
     encoding_format = body.get("encoding_format") or "float"
@@ -339,11 +340,11 @@ async def embeddings(request: web.Request) -> web.Response:
         tokenized = await connection.call("tokenize", {"input": texts, **options}, timeout)
         token_lists = tokenized.get("tokens") if isinstance(tokenized, dict) else None
         if not isinstance(token_lists, list) or len(token_lists) != len(texts):
-            raise WorkerError(f"the worker's tokenize reply has no 'tokens' list for {len(texts)} input(s)")
+            raise HandlerError(f"the handler's tokenize reply has no 'tokens' list for {len(texts)} input(s)")
     result = await connection.call("embeddings", {"input": token_lists, **options}, timeout)
     vectors = result.get("embeddings") if isinstance(result, dict) else None
     if not isinstance(vectors, list) or len(vectors) != len(token_lists):
-        raise WorkerError(f"the worker's embeddings reply has no 'embeddings' list for {len(token_lists)} input(s)")
+        raise HandlerError(f"the handler's embeddings reply has no 'embeddings' list for {len(token_lists)} input(s)")
     usage = result.get("usage")
     tokens = (usage["prompt_tokens"] if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int
               else sum(len(t) for t in token_lists))
@@ -383,16 +384,16 @@ async def responses(request: web.Request) -> web.Response:
                   "total_tokens": usage.get("total_tokens", 0)}})
 
 
-def make_app(connection: WorkerConnection, api_key: str | None, chunk_timeout: float,
+def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: float,
              health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S) -> web.Application:
-    """The HTTP front of a started WorkerConnection; the worker's health probe runs while the app does."""
+    """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, openai_errors])
     app[CONNECTION] = connection
     app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "idle_timeout": idle_timeout,
                      "started": int(time.time())}
-    app[HEALTH] = health_state = WorkerHealth(connection, health_timeout)
+    app[HEALTH] = health_state = HandlerHealth(connection, health_timeout)
     app[METRICS] = ServingMetrics(lambda: health_state.stats, lambda: health_state.problem() is None)
-    app.cleanup_ctx.append(watch_worker)
+    app.cleanup_ctx.append(watch_handler)
     app.router.add_get("/", health)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -403,29 +404,29 @@ def make_app(connection: WorkerConnection, api_key: str | None, chunk_timeout: f
     return app
 
 
-async def watch_worker(app: web.Application):
+async def watch_handler(app: web.Application):
     task = asyncio.create_task(app[HEALTH].watch())
     yield
     task.cancel()
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM or the worker's exit; returns the process exit code.
+    """Run until SIGINT/SIGTERM or the handler's exit; returns the process exit code.
 
-    On a signal, as the production daemon does: stop accepting connections, drop the write half of the worker's
-    socket (the worker finishes the requests in flight, then exits), and let their responses finish."""
-    try:  # first, so that a busy port fails before the worker loads anything
+    On a signal, as the production daemon does: stop accepting connections, drop the write half of the handler's
+    socket (the handler finishes the requests in flight, then exits), and let their responses finish."""
+    try:  # first, so that a busy port fails before the handler loads anything
         sock = listening_socket(args.host, args.port)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
         error(f"cannot listen on {args.host}:{args.port}: {reason}; pick a free --port (0: any) and an address of "
               "this machine for --host")
         return 1
-    connection = WorkerConnection(args.worker)
+    connection = HandlerConnection(args.handler)
     try:
         await connection.start()
     except OSError as exc:
-        error(f"cannot start the worker {args.worker!r}: {exc}")
+        error(f"cannot start the handler {args.handler!r}: {exc}")
         sock.close()
         return 1
     app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
@@ -447,12 +448,12 @@ async def serve(args: argparse.Namespace) -> int:
     await site.stop()
     runner.server.pre_shutdown()  # idle connections close now, busy ones after their response
     log.info("shutting down (signal): no new connections; finishing the requests in flight" if by_signal
-             else "the worker closed its socket; shutting down")
+             else "the handler closed its socket; shutting down")
     code = await connection.stop()
     await runner.cleanup()
     stopping.cancel()
     if code:
-        error(f"the worker exited with code {code}")
+        error(f"the handler exited with code {code}")
     return 0 if by_signal or code == 0 else 1
 
 
@@ -462,7 +463,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m daemon_protocol.mock_daemon", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m front", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
@@ -470,17 +471,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chunk-timeout", type=float, default=CHUNK_TIMEOUT_S,
                         help="seconds to wait between two chunks of one request (default 300)")
     parser.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
-                        help="seconds a health probe of the worker may go unanswered before /health answers 503 "
+                        help="seconds a health probe of the handler may go unanswered before /health answers 503 "
                              f"(default {HEALTH_TIMEOUT_S:g})")
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
                         help="seconds before closing a connection that sends no request, or stops sending a "
                              "request body (default 75)")
-    parser.add_argument("worker", nargs=argparse.REMAINDER, help="-- WORKER_CMD [ARGS...]")
+    parser.add_argument("handler", nargs=argparse.REMAINDER, help="-- HANDLER_CMD [ARGS...]")
     args = parser.parse_args(argv)
-    if args.worker[:1] == ["--"]:
-        args.worker = args.worker[1:]
-    if not args.worker:
-        parser.error("give the worker command after '--', e.g. -- python -m handler")
+    if args.handler[:1] == ["--"]:
+        args.handler = args.handler[1:]
+    if not args.handler:
+        parser.error("give the handler command after '--', e.g. -- python -m handler")
     return args
 
 
@@ -491,5 +492,3 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(asyncio.run(serve(args)))
 
 
-if __name__ == "__main__":
-    main()

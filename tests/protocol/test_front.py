@@ -1,4 +1,4 @@
-"""The mock daemon driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
+"""Our front driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
 import http.client
 import json
 import signal
@@ -16,14 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol_support import ROOT, child_env
 
-pytestmark = pytest.mark.slow  # the mock daemon and its workers as processes
+pytestmark = pytest.mark.slow  # our front and its workers as processes
 
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def client(mock_daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{mock_daemon.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
+def client(front_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{front_server.base_url}/v1", api_key=KEY, max_retries=0, timeout=20)
 
 
 def curl(*args: str) -> tuple[int, str]:
@@ -51,9 +51,9 @@ def wait_for_cleanup(client: openai.OpenAI, tag: str) -> None:
         time.sleep(0.02)
 
 
-def test_health_needs_no_key(mock_daemon):
-    assert curl(f"{mock_daemon.base_url}/")[0] == 200
-    assert curl(f"{mock_daemon.base_url}/health")[0] == 200
+def test_health_needs_no_key(front_server):
+    assert curl(f"{front_server.base_url}/")[0] == 200
+    assert curl(f"{front_server.base_url}/health")[0] == 200
 
 
 def test_the_model_name_is_the_workers_whatever_the_request_says(client):
@@ -88,8 +88,8 @@ def test_chat_streaming_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 13 + 3
 
 
-def test_curl_streams_sse(mock_daemon):
-    status, body = post(mock_daemon, "/v1/chat/completions",
+def test_curl_streams_sse(front_server):
+    status, body = post(front_server, "/v1/chat/completions",
                         json.dumps({"model": "echo", "stream": True, "messages": [{"role": "user", "content": "a b"}]}))
     assert status == 200
     events = [e for e in body.split("\n\n") if e]
@@ -113,11 +113,11 @@ def test_embeddings_strings_go_through_tokenize(client):
     assert result.usage.prompt_tokens == result.usage.total_tokens == 7
 
 
-def test_embeddings_token_lists_and_float_format(mock_daemon, client):
+def test_embeddings_token_lists_and_float_format(front_server, client):
     result = client.embeddings.create(model="echo", input=[[5, 6, 7], [9]], encoding_format="float")
     assert [d.embedding for d in result.data] == [expected_embedding([5, 6, 7]), expected_embedding([9])]
     assert result.usage.prompt_tokens == 4
-    status, body = post(mock_daemon, "/v1/embeddings", json.dumps({"input": [1, 2]}))
+    status, body = post(front_server, "/v1/embeddings", json.dumps({"input": [1, 2]}))
     assert status == 200 and json.loads(body)["data"][0]["embedding"] == expected_embedding([1, 2])
 
 
@@ -127,14 +127,14 @@ def test_responses(client):
     assert result.usage.output_tokens == 2
 
 
-def test_client_disconnect_mid_stream_cancels_the_worker_request(mock_daemon, client):
+def test_client_disconnect_mid_stream_cancels_the_worker_request(front_server, client):
     stream = client.chat.completions.create(model="slow", stream=True,
                                             messages=[{"role": "user", "content": "disconnect-1"}])
     received = [next(stream) for _ in range(3)]
     assert [c.choices[0].delta.content for c in received] == ["0 ", "1 ", "2 "]
     stream.close()
     wait_for_cleanup(client, "disconnect-1 cancelled")
-    mock_daemon.wait_for_log(r"worker stderr: cleanup: disconnect-1 cancelled")
+    front_server.wait_for_log(r"handler stderr: cleanup: disconnect-1 cancelled")
 
 
 @pytest.mark.parametrize("body, param", [
@@ -146,8 +146,8 @@ def test_client_disconnect_mid_stream_cancels_the_worker_request(mock_daemon, cl
     ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
     ('{"messages": [], "max_tokens": 1180591620717411303424}', None),  # 2**70: no MessagePack integer holds it
 ])
-def test_bad_chat_bodies_get_400(mock_daemon, body, param):
-    status, text = post(mock_daemon, "/v1/chat/completions", body)
+def test_bad_chat_bodies_get_400(front_server, body, param):
+    status, text = post(front_server, "/v1/chat/completions", body)
     assert status == 400
     error = json.loads(text)["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
@@ -155,16 +155,16 @@ def test_bad_chat_bodies_get_400(mock_daemon, body, param):
 
 @pytest.mark.parametrize("body", ['{"input": []}', '{"input": ""}', '{"input": ["a", 1]}', '{"input": [[-1]]}',
                                   '{"input": "a", "encoding_format": "int8"}', '{}'])
-def test_bad_embeddings_bodies_get_400(mock_daemon, body):
-    status, text = post(mock_daemon, "/v1/embeddings", body)
+def test_bad_embeddings_bodies_get_400(front_server, body):
+    status, text = post(front_server, "/v1/embeddings", body)
     assert status == 400
     assert json.loads(text)["error"]["param"] in ("input", "encoding_format")
 
 
-def test_missing_or_wrong_api_key_gets_401(mock_daemon):
+def test_missing_or_wrong_api_key_gets_401(front_server):
     body = json.dumps({"messages": [{"role": "user", "content": "x"}]})
     for key in (None, "wrong"):
-        status, text = post(mock_daemon, "/v1/chat/completions", body, key=key)
+        status, text = post(front_server, "/v1/chat/completions", body, key=key)
         assert status == 401
         assert json.loads(text)["error"]["code"] == "invalid_api_key"
 
@@ -184,16 +184,16 @@ def test_a_worker_error_reply_gets_its_status(client, stream, model, error_class
     assert (raised.value.type, raised.value.code) == (kind, code)
 
 
-def test_an_unexpected_error_logs_its_traceback_and_a_refusal_does_not(mock_daemon, client):
+def test_an_unexpected_error_logs_its_traceback_and_a_refusal_does_not(front_server, client):
     for model in ("fail", "error"):
         with pytest.raises(openai.APIStatusError):
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
-    mock_daemon.wait_for_log("RuntimeError: echo worker broke")
-    assert "ValueError" not in mock_daemon.log()
+    front_server.wait_for_log("RuntimeError: echo worker broke")
+    assert "ValueError" not in front_server.log()
 
 
-def test_health_answers_503_until_the_worker_has_loaded(spawn_mock_daemon):
-    daemon = spawn_mock_daemon(env={"ECHO_WORKER_START_DELAY_S": "1.5"}, ready=False)
+def test_health_answers_503_until_the_worker_has_loaded(spawn_front_server):
+    daemon = spawn_front_server(env={"ECHO_WORKER_START_DELAY_S": "1.5"}, ready=False)
     status, text = daemon.health()
     assert status == 503 and "starting" in text
     assert curl(f"{daemon.base_url}/")[0] == 503
@@ -201,8 +201,8 @@ def test_health_answers_503_until_the_worker_has_loaded(spawn_mock_daemon):
     assert curl(f"{daemon.base_url}/")[0] == 200
 
 
-def test_health_answers_503_while_the_worker_is_stopped_and_200_once_it_goes_on(spawn_mock_daemon):
-    daemon = spawn_mock_daemon(extra=["--health-timeout", "1"])
+def test_health_answers_503_while_the_worker_is_stopped_and_200_once_it_goes_on(spawn_front_server):
+    daemon = spawn_front_server(extra=["--health-timeout", "1"])
     worker = daemon.worker_pid()
     try:
         subprocess.run(["kill", "-STOP", str(worker)], check=True)
@@ -222,8 +222,8 @@ def metric_samples(daemon) -> dict:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def test_metrics_count_requests_and_time_tokens_and_carry_the_engine_stats(spawn_mock_daemon):
-    daemon = spawn_mock_daemon()
+def test_metrics_count_requests_and_time_tokens_and_carry_the_engine_stats(spawn_front_server):
+    daemon = spawn_front_server()
     client = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="none", max_retries=0, timeout=20)
     for _ in range(3):
         client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "one two three four"}])
@@ -252,7 +252,7 @@ def test_a_busy_port_is_a_one_line_error(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", str(port), "--",
+        proc = subprocess.run([sys.executable, "-m", "front", "--port", str(port), "--",
                                sys.executable, "-c", "import time; time.sleep(60)"],
                               capture_output=True, text=True, timeout=30, cwd=ROOT, env=child_env())
     assert proc.returncode == 1 and time.monotonic() - started < 10, "it does not wait for the worker"
@@ -260,35 +260,35 @@ def test_a_busy_port_is_a_one_line_error(tmp_path):
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0] and "--port" in lines[0], proc.stderr
 
 
-def test_body_over_the_limit_gets_413(mock_daemon):
+def test_body_over_the_limit_gets_413(front_server):
     body = json.dumps({"messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]})
     proc = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Authorization: Bearer {KEY}",
-                           "--data-binary", "@-", f"{mock_daemon.base_url}/v1/chat/completions"],
+                           "--data-binary", "@-", f"{front_server.base_url}/v1/chat/completions"],
                           input=body, capture_output=True, text=True, timeout=30)
     text, _, status = proc.stdout.rpartition("\n")
     assert status == "413"
     assert json.loads(text)["error"]["code"] == "request_too_large"
 
 
-def test_silent_worker_times_out_and_is_cancelled(spawn_mock_daemon):
-    daemon = spawn_mock_daemon(extra=["--chunk-timeout", "0.5"])
+def test_silent_worker_times_out_and_is_cancelled(spawn_front_server):
+    daemon = spawn_front_server(extra=["--chunk-timeout", "0.5"])
     status, text = post(daemon, "/v1/chat/completions", json.dumps({"model": "stall", "messages": [
         {"role": "user", "content": "stalled-1"}]}), key=None)
     assert status == 500 and "sent nothing" in json.loads(text)["error"]["message"]
-    daemon.wait_for_log(r"worker stderr: cleanup: stalled-1 cancelled")
+    daemon.wait_for_log(r"handler stderr: cleanup: stalled-1 cancelled")
 
 
-def test_worker_death_gets_503_and_stops_the_daemon(spawn_mock_daemon):
-    daemon = spawn_mock_daemon()
+def test_handler_death_gets_503_and_stops_the_front(spawn_front_server):
+    daemon = spawn_front_server()
     status, text = post(daemon, "/v1/chat/completions", json.dumps({"model": "crash", "messages": [
         {"role": "user", "content": "x"}]}), key=None)
-    assert status == 503 and json.loads(text)["error"]["code"] == "worker_unavailable"
+    assert status == 503 and json.loads(text)["error"]["code"] == "handler_unavailable"
     assert daemon.proc.wait(20) == 1
-    assert "the worker exited with code 3" in daemon.log()
+    assert "the handler exited with code 3" in daemon.log()
 
 
-def test_sigterm_shuts_down_daemon_and_worker(spawn_mock_daemon):
-    daemon = spawn_mock_daemon()
+def test_sigterm_shuts_down_front_and_handler(spawn_front_server):
+    daemon = spawn_front_server()
     assert post(daemon, "/v1/embeddings", '{"input": "ok"}', key=None)[0] == 200
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(20) == 0
@@ -296,12 +296,12 @@ def test_sigterm_shuts_down_daemon_and_worker(spawn_mock_daemon):
     assert "Traceback" not in daemon.log()
 
 
-def test_worker_that_cannot_start(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "daemon_protocol.mock_daemon", "--port", "0", "--",
+def test_a_handler_that_cannot_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "front", "--port", "0", "--",
                            str(tmp_path / "no-such-worker")], capture_output=True, text=True, timeout=30,
                           cwd=ROOT, env=child_env())
     assert proc.returncode == 1
-    assert "cannot start the worker" in proc.stderr
+    assert "cannot start the handler" in proc.stderr
 
 
 def post_bytes(daemon, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -320,8 +320,8 @@ def post_bytes(daemon, body: bytes, headers: dict | None = None) -> tuple[int, d
     b'{"messages": "\xff\xfe"}',
     '{"messages": []}'.encode("utf-16")[:-1],
 ], ids=["nested arrays", "nested objects", "not utf-8", "cut utf-16"])
-def test_bodies_json_cannot_parse_get_an_openai_shaped_400(mock_daemon, body):
-    status, reply = post_bytes(mock_daemon, body)
+def test_bodies_json_cannot_parse_get_an_openai_shaped_400(front_server, body):
+    status, reply = post_bytes(front_server, body)
     assert status == 400
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"].startswith("request body")
@@ -331,16 +331,16 @@ def test_bodies_json_cannot_parse_get_an_openai_shaped_400(mock_daemon, body):
     (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"BEARER  {KEY}", True),
     ("bearer wrong", False), (f"Basic {KEY}", False), (f"Bearer{KEY}", False), (KEY, False),
 ])
-def test_the_bearer_scheme_is_case_insensitive_the_key_is_not(mock_daemon, authorization, allowed):
-    status, _ = curl("-H", f"Authorization: {authorization}", f"{mock_daemon.base_url}/v1/models")
+def test_the_bearer_scheme_is_case_insensitive_the_key_is_not(front_server, authorization, allowed):
+    status, _ = curl("-H", f"Authorization: {authorization}", f"{front_server.base_url}/v1/models")
     assert status == (200 if allowed else 401)
-    assert curl("-H", f"Authorization: bearer {KEY.upper()}", f"{mock_daemon.base_url}/v1/models")[0] == 401
+    assert curl("-H", f"Authorization: bearer {KEY.upper()}", f"{front_server.base_url}/v1/models")[0] == 401
 
 
-def test_idle_and_half_open_connections_are_closed(spawn_mock_daemon):
+def test_idle_and_half_open_connections_are_closed(spawn_front_server):
     """--idle-timeout: a connection that sends nothing, stops inside a request's head, or sits idle between
     requests is closed; a request body that stops arriving is answered 408."""
-    daemon = spawn_mock_daemon(extra=["--idle-timeout", "1"])
+    daemon = spawn_front_server(extra=["--idle-timeout", "1"])
     heads = {
         "silent": b"",
         "half a head": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
@@ -369,10 +369,10 @@ def read_sse_event(response) -> bytes:
     return b"".join(lines)
 
 
-def test_sigterm_lets_the_streams_in_flight_finish(spawn_mock_daemon):
+def test_sigterm_lets_the_streams_in_flight_finish(spawn_front_server):
     """SIGTERM: no new connections; the four streams in flight run to their finish_reason and [DONE]; the worker
     (sent EOF) drains and exits 0, then the daemon exits 0."""
-    daemon = spawn_mock_daemon()
+    daemon = spawn_front_server()
     streams = []
     for i in range(4):
         connection = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=20)
