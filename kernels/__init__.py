@@ -1,7 +1,8 @@
 """The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA our Triton kernels,
 with flash-attn, when it is installed, for attention over the caches it can read (blocks of a multiple of 256
 tokens, not FP8, no sinks). Installing flash-attn changes nothing for the other caches (the default blocks of 16
-among them): their decode steps keep the fused prologue. Which path a process runs is logged once.
+among them): their decode steps keep the fused prologue. When flash-attn is found, the log says which caches it
+takes.
 
 A KV cache holds the model's dtype or FP8 (torch.float8_e4m3fn, e4m3): an FP8 cache comes with one float32 scale
 per KV head for its keys (k_scale [n_kv]) and one for its values (v_scale): the prologue stores x / scale,
