@@ -95,7 +95,7 @@ def _backend_of(tensor: Tensor) -> SimpleNamespace:
     return _backend("cuda" if tensor.is_cuda else "cpu")
 
 
-def flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
+def _flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
     """Whether flash-attn 2 can attend over this cache: blocks of a multiple of its 256 tokens, not FP8 (it has no
     scaled e4m3 cache), no sinks (it has none)."""
     return not (k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None
@@ -103,7 +103,7 @@ def flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
 
 
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
-    """flash-attn for attention over the caches it reads (flash_attn_reads), our Triton kernels otherwise, the fused
+    """flash-attn for attention over the caches it reads (_flash_attn_reads), our Triton kernels otherwise, the fused
     decode prologue included: flash-attn has no prologue, so only its decode steps launch the prologue apart. A
     window maps to window_size=(window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads
     keys in tiles that divide its 256-token blocks, so it never reads a block wholly before a query's window (a
@@ -116,7 +116,7 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
 
     def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                         window: int, sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
-        if not flash_attn_reads(k_cache, sinks):
+        if not _flash_attn_reads(k_cache, sinks):
             return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
@@ -139,7 +139,7 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
         )
 
     def decodes_apart(qkv, num_heads, k_cache, meta, window=0, sinks=None) -> bool:
-        return flash_attn_reads(k_cache, sinks) or triton_decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)
+        return _flash_attn_reads(k_cache, sinks) or triton_decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)
 
     return SimpleNamespace(**{**vars(backend), "paged_attention": paged_attention,
                               "varlen_attention": varlen_attention, "decodes_apart": decodes_apart})
@@ -272,7 +272,7 @@ def qkv_paged_attention(
     """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
     paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA runs both in the
     decode attention kernel (one launch less per layer; Triton's qkv_decode_attention), unless the Gluon kernel
-    (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (flash_attn_reads) takes its
+    (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (_flash_attn_reads) takes its
     attention."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
