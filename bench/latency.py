@@ -18,7 +18,6 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
@@ -146,10 +145,7 @@ def main():
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
-    add_decode_tiles_argument(ap)
     args = ap.parse_args()
-    if args.decode_tiles:
-        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     print(f"{'weights':16} {'metric':6} {'shape':28} {'ms (median)':>12}")

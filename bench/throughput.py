@@ -1,4 +1,4 @@
-"""Offline throughput on the Nano-vLLM workload (../shared/bench.md): 256 requests, random prompts of
+"""Offline throughput on the Nano-vLLM workload (Nano-vLLM's bench.py): 256 requests, random prompts of
 100-1024 tokens, 100-1024 output tokens each (133,966 in all), ignore_eos, temperature 0.6. --fp8 runs the
 model's block-wise FP8 copy next (bench/random_model.py), each on an engine of its own."""
 import argparse
@@ -7,7 +7,6 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 
 from engine import LLM, SamplingParams
 from random_model import add_fp8_arguments, make_random_model, weights_to_run
@@ -34,10 +33,7 @@ def main():
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy")
-    add_decode_tiles_argument(ap)
     args = ap.parse_args()
-    if args.decode_tiles:
-        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
     for weights, model_path, settings in weights_to_run(path, args):

@@ -16,7 +16,7 @@ largest value, 448, rounded up to a power of two (exact to divide by and to mult
 bits from 2^-6 to 448 times the scale, with subnormals below: such a scale leaves room for values 4 to 8 times the
 calibrated peak and full precision down to 1/3,500 of it or further, where a scale of 1 (vLLM's default) stores a
 layer of small values (|v| < 2^-6) in subnormals. Per-layer scales rather than per-KV-head ones: the finer ones
-measured no better (bench/fp8_kv_accuracy.py compares the choices; bench/RESULTS.md has what it measured).
+measured no better (bench/RESULTS.md's decisions log has what each choice gave).
 """
 import numpy as np
 import torch

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
-from engine.heap import freeze_startup_objects
+from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model

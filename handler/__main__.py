@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker, tokenizer = loaded
     try:
-        from engine.heap import freeze_startup_objects
+        from engine.gc_freeze import freeze_startup_objects
         from handler.service import Service
         service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:

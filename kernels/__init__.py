@@ -1,5 +1,8 @@
-"""The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA flash-attn
-for attention when it is installed (and the block size suits it), else our Triton kernels.
+"""The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA our Triton kernels,
+with flash-attn, when it is installed, for attention over the caches it can read (blocks of a multiple of 256
+tokens, not FP8, no sinks). Installing flash-attn changes nothing for the other caches (the default blocks of 16
+among them): their decode steps keep the fused prologue. When flash-attn is found, the log says which caches it
+takes.
 
 A KV cache holds the model's dtype or FP8 (torch.float8_e4m3fn, e4m3): an FP8 cache comes with one float32 scale
 per KV head for its keys (k_scale [n_kv]) and one for its values (v_scale): the prologue stores x / scale,
@@ -11,6 +14,7 @@ CUDA tensor first arrives, so the CPU path never imports them. Calls read `tenso
 """
 
 import functools
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -41,6 +45,8 @@ __all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BAC
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 FP8_KV_CACHE_DTYPE = torch.float8_e4m3fn
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -89,16 +95,28 @@ def _backend_of(tensor: Tensor) -> SimpleNamespace:
     return _backend("cuda" if tensor.is_cuda else "cpu")
 
 
+def _flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
+    """Whether flash-attn 2 can attend over this cache: blocks of a multiple of its 256 tokens, not FP8 (it has no
+    scaled e4m3 cache), no sinks (it has none)."""
+    return not (k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None
+                or k_cache.dtype == FP8_KV_CACHE_DTYPE)
+
+
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
-    """flash-attn for attention without sinks (it has none) on caches whose blocks and dtype it can read (not
-    FP8: flash-attn 2 has no scaled e4m3 cache); our Triton kernels otherwise. A window maps to window_size=
-    (window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads keys in tiles that divide
-    its 256-token blocks, so it never reads a block wholly before a query's window (a freed one)."""
+    """flash-attn for attention over the caches it reads (_flash_attn_reads), our Triton kernels otherwise, the fused
+    decode prologue included: flash-attn has no prologue, so only its decode steps launch the prologue apart. A
+    window maps to window_size=(window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads
+    keys in tiles that divide its 256-token blocks, so it never reads a block wholly before a query's window (a
+    freed one)."""
     triton_paged_attention, triton_varlen_attention = backend.paged_attention, backend.varlen_attention
+    triton_decodes_apart = backend.decodes_apart
+    logger.info("flash-attn %s found: it attends over KV caches of blocks of a multiple of %d tokens (not FP8, "
+                "without sinks); the Triton kernels over the others, decode with its fused prologue",
+                getattr(flash_attn, "__version__", "(version unknown)"), FLASH_ATTN_BLOCK_MULTIPLE)
 
     def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                         window: int, sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
-        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None or k_cache.dtype == FP8_KV_CACHE_DTYPE:
+        if not _flash_attn_reads(k_cache, sinks):
             return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
@@ -120,8 +138,11 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
             window_size=_flash_window(window),
         )
 
+    def decodes_apart(qkv, num_heads, k_cache, meta, window=0, sinks=None) -> bool:
+        return _flash_attn_reads(k_cache, sinks) or triton_decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)
+
     return SimpleNamespace(**{**vars(backend), "paged_attention": paged_attention,
-                              "varlen_attention": varlen_attention, "fused_decode": None})
+                              "varlen_attention": varlen_attention, "decodes_apart": decodes_apart})
 
 
 def _flash_window(window: int) -> tuple[int, int]:
@@ -249,10 +270,10 @@ def qkv_paged_attention(
     k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> Tensor:
     """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
-    paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA without
-    flash-attn runs both in the decode attention kernel (one launch less per layer; Triton's
-    qkv_decode_attention), unless the Gluon kernel takes its attention (large batches over an FP8 cache:
-    kernels/gluon_decode.py)."""
+    paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA runs both in the
+    decode attention kernel (one launch less per layer; Triton's qkv_decode_attention), unless the Gluon kernel
+    (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (_flash_attn_reads) takes its
+    attention."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
     if (meta.is_decode and backend.fused_decode is not None

@@ -81,8 +81,11 @@ def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
     assert out["token_ids"] == reference[:reference.index(stop) + 1]
     capped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None))[0]
     assert capped["token_ids"] == reference[:5]  # max_model_len
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([prompt + [1] * 5], GREEDY)
+    longest = prompt + reference[:4]  # max_model_len - 1 tokens: room for one
+    assert generated(llm, [longest]) == [tiny_llama.greedy(longest, 1)]
+    for too_long in (prompt + [1] * 5, prompt + [1] * 6):  # max_model_len tokens, and one more
+        with pytest.raises(ValueError, match=f"the prompt has {len(too_long)} tokens.*max_model_len"):
+            llm.generate([too_long], GREEDY)
 
 
 @torch.inference_mode()
