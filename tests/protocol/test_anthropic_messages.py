@@ -198,3 +198,15 @@ def test_other_failures_are_in_anthropics_error_shape(front_server, body, status
     got, reply = post(front_server, body)
     assert (got, reply["type"], reply["error"]["type"]) == (status, "error", kind)
     assert problem in reply["error"]["message"]
+
+
+def test_a_failure_mid_stream_is_an_error_event(spawn_front_server):
+    daemon = spawn_front_server()
+    texts = []
+    with (anthropic.Anthropic(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=20) as client,
+          pytest.raises(anthropic.APIStatusError, match="the handler exited") as error,
+          client.messages.stream(model="crash", max_tokens=10, messages=USER) as stream):
+        for event in stream:
+            texts += [event.text] if event.type == "text" else []
+    assert texts == ["bye"], "the stream had begun"
+    assert error.value.body == {"type": "error", "error": {"type": "api_error", "message": "the handler exited"}}
