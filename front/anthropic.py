@@ -140,8 +140,10 @@ def user_messages(blocks: list, where: str) -> list[dict]:
 
 def tool_message(block: dict, where: str) -> dict:
     content = block.get("content")
-    text = "" if content is None else content if isinstance(content, str) else \
-        block_text(content, f"{where}.content", "messages")
+    if content is None or isinstance(content, str):
+        text = content or ""
+    else:
+        text = block_text(content, f"{where}.content", "messages")
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise RequestError(f"{where}.is_error must be a boolean", param="messages")
