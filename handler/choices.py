@@ -134,6 +134,8 @@ class Choice:
         if self.completion.finish_reason is not None:
             self.finish_reason = self._finish_reason()
             chunk["choice_finish_reason"] = self.finish_reason
+            if self.completion.detokenizer.stop_string is not None:
+                chunk["stop_sequence"] = self.completion.detokenizer.stop_string
         return chunk if len(chunk) > 2 or parsed.content else None
 
     def _parse(self, text: str, finished: bool) -> tuple[str, Parsed]:
