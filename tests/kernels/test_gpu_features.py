@@ -24,16 +24,17 @@ def test_the_switch_reads_auto_portable_and_single_features():
         gpu_features.parse("no-tma")
 
 
-def test_configure_turns_features_off_for_later_launches(monkeypatch):
+def test_configure_turns_features_off_for_later_launches():
     """The process-wide set, as the engine applies it before loading: the interpreter's descriptors go with it."""
-    monkeypatch.setattr(gpu_features, "_disabled", frozenset())
+    before = gpu_features.disabled()
     x = torch.empty(2, 2)
-    assert gpu_features.has("descriptors", x)
-    gpu_features.configure(frozenset({"descriptors"}))
+    gpu_features.configure(frozenset())
     try:
+        assert gpu_features.has("descriptors", x)
+        gpu_features.configure(frozenset({"descriptors"}))
         assert not gpu_features.has("descriptors", x)
     finally:
-        gpu_features.configure(frozenset())
+        gpu_features.configure(before)
     with pytest.raises(ValueError, match="unknown GPU features"):
         gpu_features.configure(frozenset({"tma"}))
 
