@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
-from random_model import add_fp8_arguments, make_random_model, weights_to_run
+from random_model import add_fp8_arguments, add_gpu_features_argument, make_random_model, weights_to_run
 
 LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
@@ -107,7 +107,7 @@ def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], 
     """(metric, shape, ms) rows for the model at path, and (batch, feature, plain ms, with ms) for the features
     asked for, on an engine of its own (freed before returning)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype, **settings)
+              kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features, **settings)
     core = llm.core
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
@@ -145,6 +145,7 @@ def main():
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
+    add_gpu_features_argument(ap)
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import KV_CACHE_DTYPES
+from kernels import gpu_features
 from kernels.reference import quantize_fp8
 from models.fp8 import FP8_GEMMS
 from models.loader import safetensors_files
@@ -103,6 +104,12 @@ def add_fp8_arguments(ap: argparse.ArgumentParser, fp8_help: str) -> None:
     ap.add_argument("--fp8", action="store_true", help=fp8_help)
     ap.add_argument("--fp8-gemm", default=FP8_GEMMS[0], choices=FP8_GEMMS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+
+
+def add_gpu_features_argument(ap: argparse.ArgumentParser) -> None:
+    """--gpu-features: HFENDPOINT_GPU_FEATURES for the engine (kernels/gpu_features.py), e.g. portable to time
+    the pre-Hopper paths on a Hopper GPU."""
+    ap.add_argument("--gpu-features", default="auto", help=f"GPU features turned off: {gpu_features.SPEC_HELP}")
 
 
 def weights_to_run(path: str, args) -> list[tuple[str, str, dict]]:

@@ -9,7 +9,7 @@ from random import randint, seed
 import torch
 
 from engine import LLM, SamplingParams
-from random_model import add_fp8_arguments, make_random_model, weights_to_run
+from random_model import add_fp8_arguments, add_gpu_features_argument, make_random_model, weights_to_run
 from step_trace import StepTrace
 
 
@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy")
+    add_gpu_features_argument(ap)
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
@@ -43,7 +44,8 @@ def main():
 def run(path: str, weights: str, args, **settings) -> None:
     """Prints each repeat's throughput for the model at path, on an engine of its own (freed after)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, **settings)
+              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features,
+              **settings)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:

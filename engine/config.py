@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import gpu_features
 from models.fp8 import FP8_GEMMS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,13 +31,14 @@ class EngineConfig:
     block_size: int = 16                # HFENDPOINT_KV_BLOCK_SIZE
     cpu_kv_cache_gb: float = 1.0        # HFENDPOINT_CPU_KV_CACHE_GB (KV budget on CPU)
     num_kv_blocks: int | None = None    # HFENDPOINT_NUM_KV_BLOCKS (override, tests force tiny pools)
-    dtype: str = "auto"                 # HFENDPOINT_DTYPE: auto = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"                 # HFENDPOINT_DTYPE: auto_dtype (bfloat16 or float16 on CUDA, float32 on CPU)
     device: str = "auto"                # HFENDPOINT_DEVICE
     max_embedding_batch_tokens: int = 16384  # HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS
     overlap_steps: bool = True          # HFENDPOINT_OVERLAP_STEPS: launch step N+1 before step N's results
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
     fp8_gemm: str = "scaled_mm"         # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
     kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
+    gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -59,6 +61,8 @@ class EngineConfig:
         _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
         self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
         _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
+        _check("gpu_features", isinstance(self.gpu_features, str), gpu_features.SPEC_HELP)
+        self.disabled_gpu_features = gpu_features.parse(self.gpu_features)
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
                "CUDA_VISIBLE_DEVICES)")
@@ -88,12 +92,40 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            return auto_dtype(self.torch_device, self.disabled_gpu_features)
         return DTYPES[self.dtype]
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
+
+    def check_device(self) -> None:
+        """Refuse, before anything loads, what the device cannot run: bfloat16 without bfloat16 arithmetic, an FP8
+        KV cache without e4m3 conversions (kernels/gpu_features.py; HFENDPOINT_GPU_FEATURES may turn either
+        off)."""
+        device = self.torch_device
+        if device.type != "cuda":
+            return
+        if self.torch_dtype == torch.bfloat16:
+            self._require(device, "bfloat16", "HFENDPOINT_DTYPE=bfloat16", "use float16 or auto")
+        if self.kv_cache_dtype == "fp8":
+            self._require(device, "e4m3", "HFENDPOINT_KV_CACHE_DTYPE=fp8", "unset it or use auto")
+
+    def _require(self, device: torch.device, feature: str, setting: str, fix: str) -> None:
+        if not gpu_features.device_supports(feature, device, self.disabled_gpu_features):
+            needed = ".".join(map(str, gpu_features.MIN_CAPABILITY[feature]))
+            has = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            raise ValueError(f"{setting} needs {feature} (compute capability {needed} or later); this GPU has "
+                             f"{has} with HFENDPOINT_GPU_FEATURES={self.gpu_features}: {fix}")
+
+
+def auto_dtype(device: torch.device, disabled_features: frozenset[str] = frozenset()) -> torch.dtype:
+    """HFENDPOINT_DTYPE=auto: bfloat16 on a GPU that has it, float16 on one without (compute capability below
+    8.0: a T4), float32 on the CPU."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if gpu_features.device_supports("bfloat16", device, disabled_features) else torch.float16
 
 
 ENV_NAMES = {
@@ -113,6 +145,7 @@ ENV_NAMES = {
     "cache_dir": "HFENDPOINT_CACHE_DIR",
     "fp8_gemm": "HFENDPOINT_FP8_GEMM",
     "kv_cache_dtype": "HFENDPOINT_KV_CACHE_DTYPE",
+    "gpu_features": "HFENDPOINT_GPU_FEATURES",
 }
 
 
