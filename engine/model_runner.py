@@ -27,6 +27,7 @@ from engine.kv_cache import allocate_kv_cache
 from engine.sampler import Sampler
 from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
+from engine.startup_log import phase
 from engine.step_inputs import StagedStep, StepBuffers
 from models.parallel_layers import tp_rank, tp_size
 
@@ -80,9 +81,11 @@ class ModelRunner:
                               torch.zeros(config.max_num_seqs * (1 + 2 * MAX_LOGPROBS), pin_memory=True),
                               torch.cuda.Event()) for _ in range(2)]
             self.num_launched = 0
-            self._warm_lm_head()
+            with phase("LM head warm-up", lambda: f"1 to {config.max_num_seqs} rows"):
+                self._warm_lm_head()
             if not config.enforce_eager:
-                self.graphs.capture(self.model, self.buffers.prepare, self.hidden_size)
+                with phase("CUDA graphs", lambda: f"{len(self.graphs.captured)} captured"):
+                    self.graphs.capture(self.model, self.buffers.prepare, self.hidden_size)
         if ranks:
             ranks.release_at_shutdown(self.graphs.captured)
 

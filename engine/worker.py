@@ -15,6 +15,7 @@ from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.startup_log import note
 from engine.tensor_parallel import load_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Worker:
         self._thread.start()
         if self.ranks:
             self.ranks.watch(self._engine_lost)
+        note("engine ready")
 
     # ---- called from the event loop (any thread) ------------------------------------------------
 
