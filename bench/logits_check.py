@@ -147,6 +147,7 @@ def main():
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=args.chunk_tokens, gpu_memory_utilization=0.3,
                   max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype,
                   device=args.device)
+        llm.core.finish_warm_up()  # the prefill steps replay graphs too
         window = llm.core.block_manager.window
         name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
                 + (", fp8 KV" if args.kv_cache_dtype == "fp8" else ""))

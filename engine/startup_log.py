@@ -29,12 +29,15 @@ def note(what: str) -> None:
     log.info("%s at %.2fs", what, process_age())
 
 
+def took(name: str, seconds: float, detail: str | None = None) -> None:
+    """The line of a phase that took `seconds`: `NAME (DETAIL) took S s, at T s` (T since the process started)."""
+    log.info("%s%s took %.2fs, at %.2fs", name, f" ({detail})" if detail else "", seconds, process_age())
+
+
 @contextlib.contextmanager
 def phase(name: str, detail=None):
-    """Times the block: `NAME took S s, at T s` (T since the process started). detail: a callable
-    whose string, read when the block has ended, follows the name (sizes, counts)."""
+    """Times the block and writes its line (took()). detail: a callable whose string, read when the block has
+    ended, follows the name (sizes, counts)."""
     started = time.perf_counter()
     yield
-    took = time.perf_counter() - started
-    extra = f" ({detail()})" if detail else ""
-    log.info("%s%s took %.2fs, at %.2fs", name, extra, took, process_age())
+    took(name, time.perf_counter() - started, detail() if detail else None)

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from engine.heap import freeze_startup_objects
         from handler.service import Service
-        service = Service(worker, tokenizer, name, settings)
+        with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
+            service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
         freeze_startup_objects()
@@ -102,15 +103,20 @@ def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
     reason logged) when loading fails."""
     from engine import Worker, startup_log
-    from handler.tokenizer import load_tokenizer
+    from models.model_files import load_beside
     log.info(f"loading {name} ({path})")
     started = time.perf_counter()
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     try:
-        with startup_log.phase("tokenizer"):
-            tokenizer = load_tokenizer(path, config.cache_dir)
+        tokenizer = load_beside(load_tokenizer_and_service, path, config.cache_dir)
         worker = Worker(config, on_fatal=exit_soon)
+        try:
+            with startup_log.phase("tokenizer and the chat service's imports (the rest of their loading)"):
+                tokenizer = tokenizer.result()
+        except Exception:
+            worker.shutdown()
+            raise
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
@@ -122,6 +128,16 @@ def load(name: str, path: str, config):
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
              f"max_model_len {worker.max_model_len}{kv_cache}")
     return worker, tokenizer
+
+
+def load_tokenizer_and_service(path: str, cache_dir: str):
+    """The tokenizer, with the chat service's modules (xgrammar's among them) imported after it: both load on
+    a thread of their own while the engine loads (models/model_files.py's load_beside)."""
+    from handler.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, cache_dir)
+    import handler.service  # noqa: F401 - imported for main(), which builds the Service once the engine is ready
+    return tokenizer
 
 
 def log_loading(name: str, started: float, done: threading.Event) -> None:
