@@ -7,7 +7,7 @@ from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.startup_log import note, phase
 from engine.tensor_parallel import load_on_all_ranks
-from models.model_files import load_beside, load_tokenizer
+from models.model_files import load_tokenizer
 
 # Offline batches care for throughput only: prefill steps of twice the online budget (as vLLM's offline LLM
 # takes) halve their count and host work. The handler keeps the smaller default, which bounds how long a
@@ -20,13 +20,12 @@ class LLM:
         note("engine starting")
         config_overrides.setdefault("max_num_batched_tokens", OFFLINE_MAX_BATCHED_TOKENS)
         self.config = EngineConfig(model=model_path, **config_overrides)
-        tokenizer = load_beside(load_tokenizer, model_path, self.config.cache_dir)
         loaded, self.ranks = load_on_all_ranks(self.config)
         if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
             raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
         self.core = EngineCore(self.config, loaded, self.ranks)
-        with phase("tokenizer (the rest of its loading)"):
-            self.tokenizer = tokenizer.result()
+        with phase("tokenizer"):
+            self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
         note("engine ready")
 
     def shutdown(self) -> None:

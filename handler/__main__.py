@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.transport_kind)
     from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
     from handler.model_source import ModelNotFound, resolve_model
+    from handler.service import Service  # xgrammar's imports among them: before the engine is ready
     from handler.settings import HandlerSettings
     startup_log.note("imports done")
     try:
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     worker, tokenizer = loaded
     try:
         from engine.heap import freeze_startup_objects
-        from handler.service import Service
         with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
             service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
@@ -103,20 +103,15 @@ def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
     reason logged) when loading fails."""
     from engine import Worker, startup_log
-    from models.model_files import load_beside
+    from handler.tokenizer import load_tokenizer
     log.info(f"loading {name} ({path})")
     started = time.perf_counter()
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     try:
-        tokenizer = load_beside(load_tokenizer_and_service, path, config.cache_dir)
+        with startup_log.phase("tokenizer"):
+            tokenizer = load_tokenizer(path, config.cache_dir)
         worker = Worker(config, on_fatal=exit_soon)
-        try:
-            with startup_log.phase("tokenizer and the chat service's imports (the rest of their loading)"):
-                tokenizer = tokenizer.result()
-        except Exception:
-            worker.shutdown()
-            raise
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
@@ -128,16 +123,6 @@ def load(name: str, path: str, config):
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
              f"max_model_len {worker.max_model_len}{kv_cache}")
     return worker, tokenizer
-
-
-def load_tokenizer_and_service(path: str, cache_dir: str):
-    """The tokenizer, with the chat service's modules (xgrammar's among them) imported after it: both load on
-    a thread of their own while the engine loads (models/model_files.py's load_beside)."""
-    from handler.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(path, cache_dir)
-    import handler.service  # noqa: F401 - imported for main(), which builds the Service once the engine is ready
-    return tokenizer
 
 
 def log_loading(name: str, started: float, done: threading.Event) -> None:

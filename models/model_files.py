@@ -3,7 +3,6 @@
 A .gguf file's are those its metadata was converted into (models/gguf_loader.py's gguf_model_dir)."""
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,20 +24,9 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     model_dir = model_dir_of(model_path, cache_dir)
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer  # its modules take seconds to import: see load_beside()
+    from transformers import AutoTokenizer  # its modules take seconds to import on some versions: only when used
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def load_beside(load, *args) -> Future:
-    """Starts load(*args) (a tokenizer loader) on a thread of its own and returns its future. transformers'
-    AutoTokenizer imports much of the library (generation, masking, distributed), seconds of a start on some
-    hosts: the engine loads its weights meanwhile, mostly in copies that release the GIL."""
-    executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    try:
-        return executor.submit(load, *args)
-    finally:
-        executor.shutdown(wait=False)
 
 
 def read_generation_config(model_dir: str) -> dict:
