@@ -1,6 +1,7 @@
 """What a start decides and says: the context length (HFENDPOINT_MAX_MODEL_LEN, by default the model's maximum,
 capped by what the KV pool holds for one request) and the start-up lines that say where the seconds went."""
 import logging
+import time
 
 import pytest
 from transformers import LlamaConfig
@@ -60,3 +61,58 @@ def test_startup_lines_say_where_the_seconds_went(tiny_llama, startup_lines):
     for phase in ("weights", "KV pool", "tokenizer"):
         assert any(line.startswith(phase) and " took " in line and ", at " in line for line in lines), (phase, lines)
     assert lines[0].startswith("engine starting at ") and lines[-1].startswith("engine ready at ")
+
+
+@pytest.fixture
+def pretend_graphs(monkeypatch):
+    """Makes an engine's runner plan CUDA graphs as on the GPU, each capture only recorded in `events` (a CPU
+    engine captures none), and records every step it launches: ("capture", shape) or ("step", pure decode)."""
+    def install(llm) -> list:
+        events, runner = [], llm.core.runner
+        launch = runner.launch
+
+        def capture_next(model, prepare, hidden_size):
+            events.append(("capture", runner.graphs.pending.pop(0)))
+
+        def recorded_launch(seqs, num_tokens, *args):
+            events.append(("step", sum(num_tokens) == len(num_tokens)))
+            return launch(seqs, num_tokens, *args)
+
+        monkeypatch.setattr(runner.graphs, "capture_next", capture_next)
+        monkeypatch.setattr(runner, "launch", recorded_launch)
+        runner.graphs.plan_all()
+        return events
+    return install
+
+
+def test_graphs_are_captured_before_the_first_decode_step_not_at_start(tiny_llama, pretend_graphs):
+    """The first token comes from an eager prefill; every graph is captured before the first pure-decode step,
+    with nothing in flight; the steps after it overlap again."""
+    llm = LLM(tiny_llama.path, device="cpu")
+    events = pretend_graphs(llm)
+    num_graphs = len(llm.core.runner.graphs.pending)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+    assert out[0]["token_ids"] == tiny_llama.greedy([1, 2, 3], 4)
+    assert events[0] == ("step", False)  # the prefill, before any capture
+    assert [kind for kind, _ in events[1:1 + num_graphs]] == ["capture"] * num_graphs
+    decodes = events[1 + num_graphs:]  # three tokens, and a step launched ahead whose token is thrown away
+    assert set(decodes) == {("step", True)} and len(decodes) >= 3
+    assert not llm.core.warming_up
+
+
+def test_an_idle_worker_warms_up_one_part_at_a_time(tiny_llama, pretend_graphs):
+    """A served engine captures while it has nothing to do, without waiting for a request."""
+    from engine import Worker
+
+    worker = Worker(EngineConfig(tiny_llama.path, device="cpu"))
+    try:
+        with worker._cond:  # the engine thread is asleep: plan graphs as a GPU engine has them, then wake it
+            events = pretend_graphs(worker)
+            num_graphs = len(worker.core.runner.graphs.pending)
+            worker._cond.notify()
+        deadline = time.monotonic() + 30
+        while worker.core.warming_up and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [kind for kind, _ in events] == ["capture"] * num_graphs
+    finally:
+        worker.shutdown()
