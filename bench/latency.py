@@ -109,6 +109,7 @@ def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], 
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
               kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features, **settings)
     core = llm.core
+    core.finish_warm_up()  # the prefills measured replay graphs
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
     ttft = time_to_first_token(core, args.prompt_len, 10)

@@ -154,6 +154,7 @@ def main():
                   max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype,
                   device=args.device, gpu_features=args.gpu_features,
                   **({"dtype": args.dtype} if args.device.startswith("cuda") else {}))
+        llm.core.finish_warm_up()  # the prefill steps replay graphs too
         window = llm.core.block_manager.window
         name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
                 + (", fp8 KV" if args.kv_cache_dtype == "fp8" else "") + f", {half}, GPU features {args.gpu_features}")

@@ -22,7 +22,7 @@ def default_cache_dir() -> str:
 @dataclass
 class EngineConfig:
     model: str                          # resolved local path (dir or .gguf file)
-    max_model_len: int = 4096           # HFENDPOINT_MAX_MODEL_LEN (capped by the model's max_position_embeddings)
+    max_model_len: int | None = None    # HFENDPOINT_MAX_MODEL_LEN; None: the model's maximum (ModelRunner caps it)
     gpu_memory_utilization: float = 0.9  # HFENDPOINT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False         # HFENDPOINT_ENFORCE_EAGER
     max_num_batched_tokens: int = 8192  # HFENDPOINT_MAX_BATCHED_TOKENS
@@ -41,13 +41,15 @@ class EngineConfig:
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
-                     "block_size", "max_embedding_batch_tokens"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "block_size",
+                     "max_embedding_batch_tokens"):
             value = getattr(self, name)
             _check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
         _check("block_size", self.block_size & (self.block_size - 1) == 0, "a power of two (the kernels need it)")
-        _check("num_kv_blocks", self.num_kv_blocks is None or
-               (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1), "an integer >= 1 or unset")
+        for name in UNSET_INTS:
+            value = getattr(self, name)
+            _check(name, value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                   "an integer >= 1 or unset")
         _check("gpu_memory_utilization", isinstance(self.gpu_memory_utilization, (int, float))
                and 0 < self.gpu_memory_utilization <= 1, "a number in (0, 1]")
         _check("cpu_kv_cache_gb", isinstance(self.cpu_kv_cache_gb, (int, float)) and self.cpu_kv_cache_gb > 0,
@@ -128,6 +130,7 @@ def auto_dtype(device: torch.device, disabled_features: frozenset[str] = frozens
     return torch.bfloat16 if gpu_features.device_supports("bfloat16", device, disabled_features) else torch.float16
 
 
+UNSET_INTS = ("max_model_len", "num_kv_blocks")  # None: chosen at start-up (the model's maximum, what fits)
 ENV_NAMES = {
     "max_model_len": "HFENDPOINT_MAX_MODEL_LEN",
     "gpu_memory_utilization": "HFENDPOINT_GPU_MEMORY_UTILIZATION",
@@ -172,7 +175,7 @@ def _parse(name: str, raw: str):
             return float(raw)
         except ValueError:
             raise ValueError("expected a number") from None
-    if isinstance(default, int) or name == "num_kv_blocks":
+    if isinstance(default, int) or name in UNSET_INTS:
         try:
             return int(raw)
         except ValueError:

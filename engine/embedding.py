@@ -105,8 +105,8 @@ class Embedder:
         first requests."""
         model = loaded.model
         pooling = read_pooling_config(loaded.model_dir, DEFAULT_ENCODER_POOLING)
-        embedder = cls(lambda batch: forward_encoder(model, batch), pooling,
-                       min(config.max_model_len, model.max_positions), config.max_embedding_batch_tokens,
+        limit = min(config.max_model_len or model.max_positions, model.max_positions)
+        embedder = cls(lambda batch: forward_encoder(model, batch), pooling, limit, config.max_embedding_batch_tokens,
                        loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
         if next(model.parameters()).device.type == "cuda":
             for length in sorted({min(2 ** i, embedder.max_model_len) for i in range(4, 8)}):

@@ -93,9 +93,11 @@ class EngineCore:
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
             return []
+        if launched is None and self.runner.warming_up and len(num_tokens) == sum(num_tokens):
+            self.finish_warm_up()  # a pure decode step: from here on the graphs pay
         try:
             launched = launched or self.runner.launch(seqs, num_tokens)
-            if self.overlap and launched.plannable:
+            if self.overlap and launched.plannable and not self.runner.warming_up:  # warm-up needs none in flight
                 self.in_flight = self._launch_next(launched)
             sampled, logprobs = self.runner.finish(launched)
         except Exception as exc:  # one bad step must not take the engine down
@@ -111,6 +113,22 @@ class EngineCore:
                 failed, self.in_flight = self.in_flight.seqs, None
                 results += self._fail(failed, exc)
         return results
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the runner's warm-up (the LM head's shapes, the CUDA graphs) has parts still to run."""
+        return self.runner.warming_up
+
+    def warm_up_next(self) -> None:
+        """One part of the runner's warm-up (ModelRunner.warm_up_next), between steps; the engine thread calls it
+        while idle, so a request that arrives waits for one part at most."""
+        if self.in_flight is None and self.runner.warming_up:
+            self.runner.collective("warm_up_next")
+
+    def finish_warm_up(self) -> None:
+        """The rest of the runner's warm-up, at once (nothing may be in flight)."""
+        while self.runner.warming_up:
+            self.runner.collective("warm_up_next")
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
         failed = [seq for seq in seqs if not seq.is_finished]

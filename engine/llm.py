@@ -5,6 +5,7 @@ import time
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.startup_log import note, phase
 from engine.tensor_parallel import load_on_all_ranks
 from models.model_files import load_tokenizer
 
@@ -16,13 +17,16 @@ OFFLINE_MAX_BATCHED_TOKENS = 16384
 
 class LLM:
     def __init__(self, model_path: str, **config_overrides):
+        note("engine starting")
         config_overrides.setdefault("max_num_batched_tokens", OFFLINE_MAX_BATCHED_TOKENS)
         self.config = EngineConfig(model=model_path, **config_overrides)
         loaded, self.ranks = load_on_all_ranks(self.config)
         if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
             raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
         self.core = EngineCore(self.config, loaded, self.ranks)
-        self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
+        with phase("tokenizer"):
+            self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
+        note("engine ready")
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (with one rank there is nothing to stop)."""

@@ -12,7 +12,13 @@ their constraints must accept first. The engine samples it as soon as it has app
 
 The parts it is built of: engine/kv_cache.py sizes and allocates the cache, engine/step_inputs.py stages a
 step's inputs, engine/cuda_graphs.py captures and replays the forward, engine/sampler.py draws the tokens.
+
+Start-up ends once the KV cache is sized: the warm-up that only makes steps faster (the LM head run at every row
+count, the CUDA graphs) is left to warm_up_next(), which the engine calls while it is idle and before the first
+decode step (engine/engine_core.py); until then steps run eagerly.
 """
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +33,21 @@ from engine.kv_cache import allocate_kv_cache
 from engine.sampler import Sampler
 from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
+from engine.startup_log import note, took
 from engine.step_inputs import StagedStep, StepBuffers
 from models.parallel_layers import tp_rank, tp_size
+
+log = logging.getLogger(__name__)
+LM_HEAD_WARM_UP_ROWS = 32  # row counts per part of the warm-up: a request arriving waits for one part at most
+
+
+def requested_context(config: EngineConfig, hf_config) -> tuple[int, str]:
+    """The longest sequence (prompt and output) before the KV pool is sized, and which bound set it:
+    HFENDPOINT_MAX_MODEL_LEN when set and within the model's maximum (max_position_embeddings), else that."""
+    model_max = hf_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len <= model_max:
+        return config.max_model_len, "HFENDPOINT_MAX_MODEL_LEN"
+    return model_max, "the model's maximum (max_position_embeddings)"
 
 
 @dataclass
@@ -65,14 +84,20 @@ class ModelRunner:
         self.hidden_size = loaded.hf_config.hidden_size
         self.is_driver = tp_rank() == 0  # stages steps and samples; the other tensor-parallel ranks follow
         self.sampler = Sampler(self.device)
-        self.max_model_len = min(config.max_model_len, loaded.hf_config.max_position_embeddings)
+        self.max_model_len, self.context_bound = requested_context(config, loaded.hf_config)
         self.can_generate = getattr(self.model, "lm_head", None) is not None  # bare decoders only embed
         self.graphs = CudaGraphs(config)
+        self.lm_head_rows: list[int] = []  # row counts the warm-up has still to run the LM head at (on CUDA)
+        self.warm_up_s = 0.0
         self.num_blocks = 0
         if not self.can_generate:
             return
         self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len, loaded.model_dir)
-        self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)  # one request fits
+        if self.num_blocks * self.block_size < self.max_model_len:  # one request must fit in the pool
+            self.max_model_len = self.num_blocks * self.block_size
+            self.context_bound = "what the KV pool holds for one request"
+        if self.is_driver:
+            note(f"max_model_len {self.max_model_len}, set by {self.context_bound},")
         self.buffers = StepBuffers(config, self.max_model_len, self.device)
         self.token_masks: TokenMasks | None = None  # made for the first step with a constrained request
         if self.device.type == "cuda":  # two: a step's ids may still be on their way while the next is launched
@@ -80,19 +105,46 @@ class ModelRunner:
                               torch.zeros(config.max_num_seqs * (1 + 2 * MAX_LOGPROBS), pin_memory=True),
                               torch.cuda.Event()) for _ in range(2)]
             self.num_launched = 0
-            self._warm_lm_head()
+            self.lm_head_rows = list(range(1, config.max_num_seqs + 1))
             if not config.enforce_eager:
-                self.graphs.capture(self.model, self.buffers.prepare, self.hidden_size)
+                self.graphs.plan_all()
         if ranks:
             ranks.release_at_shutdown(self.graphs.captured)
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether part of the warm-up is still to run (warm_up_next)."""
+        return bool(self.lm_head_rows or self.graphs.pending)
+
+    def warm_up_next(self) -> None:
+        """Runs the next part of the warm-up that start-up leaves for later, so that the engine is ready sooner:
+        the LM head at the next LM_HEAD_WARM_UP_ROWS row counts while some are left, then the largest CUDA graph
+        not captured yet. Every tensor-parallel rank runs it (collective), with no step in flight. A part that
+        fails ends the warm-up: the steps whose graph it lacks run eagerly."""
+        started = time.perf_counter()
+        try:
+            if self.lm_head_rows:
+                rows = self.lm_head_rows[:LM_HEAD_WARM_UP_ROWS]
+                del self.lm_head_rows[:LM_HEAD_WARM_UP_ROWS]
+                self._warm_lm_head(rows)
+            else:
+                self.graphs.capture_next(self.model, self.buffers.prepare, self.hidden_size)
+        except Exception:  # eager steps serve every request a graph would
+            log.exception("warm-up failed: the steps of the CUDA graphs not captured run eagerly")
+            self.lm_head_rows.clear()
+            self.graphs.pending.clear()
+        self.warm_up_s += time.perf_counter() - started
+        if not self.warming_up:
+            took("warm-up", self.warm_up_s,
+                 f"LM head at 1 to {self.config.max_num_seqs} rows, {len(self.graphs.captured)} CUDA graphs")
+
     @torch.inference_mode()
-    def _warm_lm_head(self) -> None:
-        """Runs the LM head once at every row count a step can sample. The first GEMM of a shape cuBLAS has not
-        run holds the host for about as long as a step: each time a shrinking decode batch reached such a size,
-        the step launched ahead of the running one waited."""
-        hidden = torch.zeros(self.config.max_num_seqs, self.hidden_size, dtype=self.dtype, device=self.device)
-        for rows in range(1, self.config.max_num_seqs + 1):
+    def _warm_lm_head(self, row_counts: list[int]) -> None:
+        """Runs the LM head once at each of these row counts (the warm-up covers every count a step can sample).
+        The first GEMM of a shape cuBLAS has not run holds the host for about as long as a step: each time a
+        shrinking decode batch reached such a size, the step launched ahead of the running one waited."""
+        hidden = torch.zeros(max(row_counts), self.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in row_counts:
             self.model.compute_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
 

@@ -28,6 +28,7 @@ from transformers import AutoConfig
 from engine.config import EngineConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
+from engine.startup_log import phase
 from kernels import gpu_features
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
@@ -67,8 +68,9 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     try:
-        loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
-                            config.cache_dir, config.max_model_len, config.fp8_gemm)
+        with phase("weights", lambda: weights_size(loaded.model)):
+            loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
+                                config.cache_dir, config.max_model_len, config.fp8_gemm)
         if ranks:
             ranks.wait_loaded()
     except BaseException:
@@ -76,6 +78,12 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
             ranks.shutdown()
         raise
     return loaded, ranks
+
+
+def weights_size(model) -> str:
+    """The model's parameters in GiB and where they live, for the start-up log."""
+    size = sum(param.numel() * param.element_size() for param in model.parameters())
+    return f"{size / 2**30:.2f} GiB on {next(model.parameters()).device}"
 
 
 class TensorParallelRanks:

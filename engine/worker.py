@@ -15,6 +15,7 @@ from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.startup_log import note
 from engine.tensor_parallel import load_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Worker:
         self._thread.start()
         if self.ranks:
             self.ranks.watch(self._engine_lost)
+        note("engine ready")
 
     # ---- called from the event loop (any thread) ------------------------------------------------
 
@@ -169,7 +171,7 @@ class Worker:
         while True:
             with self._cond:
                 while not (self._stopped or self._lost or self._new or self._aborts or self._embed_jobs
-                           or (self.core and self.core.has_work())):
+                           or (self.core and (self.core.has_work() or self.core.warming_up))):
                     self._cond.wait()
                 if self._lost:  # its requests have been failed; no step can complete any more
                     return
@@ -207,6 +209,8 @@ class Worker:
             self._run_embed_jobs(jobs)
         if self.core and self.core.has_work():
             self._deliver(self.core.step())
+        elif self.core and self.core.warming_up:  # idle: the next part of the warm-up
+            self.core.warm_up_next()
 
     def _take_embed_jobs(self) -> list[_EmbedJob]:
         """Pending embedding calls up to max_embedding_batch_tokens (always at least one)."""
