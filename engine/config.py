@@ -37,6 +37,7 @@ class EngineConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
     fp8_gemm: str = "scaled_mm"         # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
     kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
+    speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix, optionally :k=N (draft tokens)
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -58,6 +59,8 @@ class EngineConfig:
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
         _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
         self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
+        _check("speculative", isinstance(self.speculative, str), SPECULATIVE_FORMS)
+        self.speculative_method, self.num_speculative_tokens = parse_speculative(self.speculative)
         _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
         _check("device", self.tensor_parallel_size == 1 or self.device in ("auto", "cuda", "cpu"),
                "auto, cuda or cpu with tensor_parallel_size > 1 (rank r runs on cuda:r; pick the GPUs with "
@@ -96,6 +99,25 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS = 4, 16
+SPECULATIVE_FORMS = (f"off, ngram or suffix, optionally with the most draft tokens per step as ':k=N' "
+                     f"(1 <= N <= {MAX_DRAFT_TOKENS}; default {DEFAULT_DRAFT_TOKENS}), e.g. ngram:k=4")
+
+
+def parse_speculative(spec: str) -> tuple[str, int]:
+    """(method, most draft tokens per step) of a speculative-decoding setting; ("off", 0) when off."""
+    method, _, options = spec.strip().lower().partition(":")
+    k = DEFAULT_DRAFT_TOKENS
+    if options:
+        name, _, value = options.partition("=")
+        _check("speculative", name.strip() == "k" and value.strip().isdigit(), SPECULATIVE_FORMS)
+        k = int(value)
+    _check("speculative", method in SPECULATIVE_METHODS and 1 <= k <= MAX_DRAFT_TOKENS
+           and not (method == "off" and options), SPECULATIVE_FORMS)
+    return method, 0 if method == "off" else k
+
+
 ENV_NAMES = {
     "max_model_len": "HFENDPOINT_MAX_MODEL_LEN",
     "gpu_memory_utilization": "HFENDPOINT_GPU_MEMORY_UTILIZATION",
@@ -113,6 +135,7 @@ ENV_NAMES = {
     "cache_dir": "HFENDPOINT_CACHE_DIR",
     "fp8_gemm": "HFENDPOINT_FP8_GEMM",
     "kv_cache_dtype": "HFENDPOINT_KV_CACHE_DTYPE",
+    "speculative": "HFENDPOINT_SPECULATIVE",
 }
 
 

@@ -56,6 +56,17 @@ def longest_first(seq_lens: np.ndarray, num_rows: int) -> np.ndarray:
     return np.concatenate((np.argsort(-seq_lens, kind="stable"), np.arange(len(seq_lens), num_rows)))
 
 
+def verified_rows(ends: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+    """The token rows whose logits a step samples: each sampling sequence's last, and before it one per
+    draft token it verifies (the model's choice after each token it is given). ends: where each sampling
+    sequence's tokens end in the step."""
+    if not drafted.any():
+        return ends - 1
+    counts = drafted + 1
+    firsts = np.cumsum(counts) - counts
+    return np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(firsts, counts)
+
+
 def aligned(count: int) -> int:
     """Where an array of `count` elements ends when every staged array starts at a multiple of 16 elements.
     Triton specialises a kernel on whether each pointer is 16-byte aligned, so packed arrays whose alignment
@@ -95,7 +106,8 @@ class StepBuffers:
         self.max_blocks_per_seq = width = -(-max_model_len // config.block_size)
         max_rows = config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, max_rows)
-        self.longs = StagingBuffer(3 * aligned(max_tokens) + max_rows, torch.int64, device)
+        max_logits = max_rows * (1 + config.num_speculative_tokens)  # a verification step: each draft token too
+        self.longs = StagingBuffer(3 * aligned(max_tokens) + max_logits, torch.int64, device)
         self.table_offset = aligned(aligned(aligned(max_rows + 1) + max_rows) + max_rows)
         self.ints = StagingBuffer(self.table_offset + max_rows * width, torch.int32, device)
         self.block_tables = self.ints.array[self.table_offset:].reshape(max_rows, width)
@@ -158,7 +170,8 @@ class StepBuffers:
         input_ids, positions, slot_mapping = (longs[i * tokens_at:i * tokens_at + size] for i in range(3))
         input_ids[:num_follows] = follows
         input_ids[num_follows:total] = np.fromiter(itertools.chain.from_iterable(
-            seq.token_ids[start:start + n] for seq, start, n in
+            (seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids)[start:start + n]
+            for seq, start, n in
             zip(seqs[num_follows:], starts[num_follows:].tolist(), num_tokens[num_follows:])),
             dtype=np.int64, count=total - num_follows)
         positions[:total] = np.arange(total) - np.repeat(cu_seqlens[:num_seqs] - starts, counts)
@@ -167,10 +180,11 @@ class StepBuffers:
         slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
                                 + positions[:total] % self.block_size)
         input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
-        lengths = np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        drafted = np.fromiter([len(seq.draft_token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        lengths = np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs) + drafted
         lengths[:num_follows] += 1  # the token in flight
         samples = seq_lens == lengths
-        logits_indices = cu_seqlens[1:num_seqs + 1][samples] - 1
+        logits_indices = verified_rows(cu_seqlens[1:num_seqs + 1][samples], drafted[samples])
         num_logits = len(logits_indices)
         longs[3 * tokens_at:3 * tokens_at + num_logits] = logits_indices
         ints[:num_rows + 1] = cu_seqlens
