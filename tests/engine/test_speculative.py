@@ -8,6 +8,7 @@ with one token in two drafts corrupted: many tokens accepted, many rejected. Tak
 (a rejected draft token, or the token after an accepted run) changes the outputs; counting a rejected draft
 token as computed breaks the KV cache and leaks blocks. The rejection rule's output distribution is the
 model's, by a chi-square test on a tiny vocabulary."""
+import asyncio
 import random
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 import xgrammar
 from test_constraints import SCHEMA, tiny_vocabulary
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
 from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.sampler import Sampler
@@ -236,3 +237,30 @@ def test_speculative_setting_parses(raw, parsed):
 def test_a_bad_speculative_setting_names_the_variable(raw):
     with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE.*off, ngram or suffix"):
         EngineConfig.from_env("model", {"HFENDPOINT_SPECULATIVE": raw})
+
+
+def test_the_worker_streams_every_verified_token_with_its_logprobs(tiny_llama, prompts, plain):
+    references = plain[0]
+    worker = Worker(EngineConfig(tiny_llama.path, device="cpu", speculative="ngram:k=4"))
+    try:
+        speculating(worker, CorruptedOracle(references))
+        params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=1)
+
+        async def collect(queue):
+            items = []
+            while not (items and items[-1].finish_reason):
+                items.append(await queue.get())
+            return items
+
+        async def main():
+            queues = [worker.submit(i, prompt, params) for i, prompt in enumerate(prompts[:3])]
+            return await asyncio.gather(*(collect(queue) for queue in queues))
+
+        for reference, items in zip(references, asyncio.run(main())):
+            tokens = [token for item in items for token in item.new_token_ids]
+            assert tokens == reference
+            assert [top[0] for item in items for _, top, _ in item.logprobs] == reference
+            assert max(len(item.new_token_ids) for item in items) > 1, "a step delivered several tokens"
+        assert worker.stats()["spec_accepted_tokens"] > 0
+    finally:
+        worker.shutdown()
