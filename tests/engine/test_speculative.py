@@ -9,7 +9,6 @@ with one token in two drafts corrupted: many tokens accepted, many rejected. Tak
 token as computed breaks the KV cache and leaks blocks. The rejection rule's output distribution is the
 model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
-import random
 
 import numpy as np
 import pytest
@@ -24,27 +23,11 @@ from engine.sampler import Sampler
 from engine.sequence import Sequence
 from handler.grammar import GrammarConstraint
 from random_decoders import TINY
+from speculative_testing import CorruptedOracle
 
 NEW = 32
 VOCAB = TINY["vocab_size"]
 CHI_SQUARE_AT_ONE_IN_A_THOUSAND = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # by degrees of freedom
-
-
-class CorruptedOracle:
-    """Proposes the model's greedy continuation (from a run without drafts), one draft in two with a token
-    replaced by another: accepted runs of every length, and rejections at every position."""
-
-    def __init__(self, continuations: list[list[int]]):
-        self.continuations = continuations
-        self.rng = random.Random(0)
-
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        done = seq.num_output_tokens
-        draft = list(self.continuations[seq.request_id][done:done + k])
-        if draft and self.rng.random() < 0.5:
-            i = self.rng.randrange(len(draft))
-            draft[i] = (draft[i] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
-        return draft
 
 
 def speculating(llm, drafter=None, overlap=False):
@@ -108,7 +91,7 @@ def test_greedy_outputs_with_corrupted_oracle_drafts_equal_those_without(tiny_ll
                                                                            overlap):
     references, params, expected = plain
     llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=5", **ENGINES[engine]),
-                      CorruptedOracle(references), overlap)
+                      CorruptedOracle(references, VOCAB), overlap)
     assert outputs(llm, prompts, params) == expected
     stats = llm.core.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], "accepted and rejected drafts"
@@ -144,7 +127,7 @@ def test_greedy_logprobs_with_drafts_equal_those_without(tiny_llama, prompts, pl
     references = plain[0]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     expected = LLM(tiny_llama.path, dtype="float32").generate(prompts[:3], params)
-    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram"), CorruptedOracle(references))
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram"), CorruptedOracle(references, VOCAB))
     got = llm.generate(prompts[:3], params)
     assert llm.core.stats()["spec_accepted_tokens"] > 0
     for want, have in zip(expected, got):
@@ -168,7 +151,7 @@ def test_grammar_constrained_greedy_outputs_with_drafts_equal_those_without(tiny
     assert expected != free
     for continuations in (expected, free):
         llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=4"),
-                          CorruptedOracle(continuations))
+                          CorruptedOracle(continuations, VOCAB))
         assert outputs(llm, prompts, params, [GrammarConstraint(grammar) for _ in prompts]) == expected
         assert_all_blocks_free(llm)
         if continuations is expected:
@@ -243,7 +226,7 @@ def test_the_worker_streams_every_verified_token_with_its_logprobs(tiny_llama, p
     references = plain[0]
     worker = Worker(EngineConfig(tiny_llama.path, device="cpu", speculative="ngram:k=4"))
     try:
-        speculating(worker, CorruptedOracle(references))
+        speculating(worker, CorruptedOracle(references, VOCAB))
         params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=1)
 
         async def collect(queue):
