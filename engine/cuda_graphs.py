@@ -43,12 +43,13 @@ class CudaGraphs:
         self.captured: dict[GraphShape, torch.cuda.CUDAGraph] = {}  # empty: every step runs eagerly
         self.hidden: Tensor | None = None  # the hidden states every graph writes, [largest graph's tokens, H]
 
-    def shape_for(self, num_tokens: list[int]) -> GraphShape | None:
-        """The captured graph to replay for a step computing num_tokens per row; None runs it eagerly."""
+    def shape_for(self, num_tokens: list[int], as_rows: bool = False) -> GraphShape | None:
+        """The captured graph to replay for a step computing num_tokens per row (as_rows: a verification step
+        staged as a decode row per token); None runs it eagerly."""
         num_rows, total = len(num_tokens), sum(num_tokens)
         if not self.captured or num_rows > self.max_num_seqs:
             return None
-        if total == num_rows:  # one token per row: pure decode
+        if total == num_rows or as_rows:  # one token per row: pure decode
             size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_rows)]
             return GraphShape(size, size, is_decode=True)
         if total <= self.prefill_tokens[-1]:

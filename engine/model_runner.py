@@ -111,7 +111,9 @@ class ModelRunner:
         """Starts the step on the device without waiting for it. With ahead, it goes on from the last step
         launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
         to sample() once that one has been applied."""
-        staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens), ahead, follows)
+        as_rows = ahead is None and self.buffers.verifies_as_rows(seqs, num_tokens)
+        staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens, as_rows), ahead, follows,
+                                    as_rows)
         logits = self.collective("execute", staged)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)

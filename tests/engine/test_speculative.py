@@ -51,6 +51,21 @@ def speculating(llm, drafter=None, overlap=False):
     return llm
 
 
+def verification_kinds(llm) -> list[bool]:
+    """Records, per verification step, whether it was staged as decode rows (one per token) or, mixed with
+    prompt chunks, as a prefill step."""
+    kinds, verifies_as_rows = [], llm.core.runner.buffers.verifies_as_rows
+
+    def recording(seqs, num_tokens):
+        as_rows = verifies_as_rows(seqs, num_tokens)
+        if any(seq.draft_token_ids for seq in seqs):
+            kinds.append(as_rows)
+        return as_rows
+
+    llm.core.runner.buffers.verifies_as_rows = recording
+    return kinds
+
+
 def outputs(llm, prompts, params, constraints=None):
     return [out["token_ids"] for out in llm.generate(prompts, params, constraints=constraints)]
 
@@ -92,7 +107,9 @@ def test_greedy_outputs_with_corrupted_oracle_drafts_equal_those_without(tiny_ll
     references, params, expected = plain
     llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=5", **ENGINES[engine]),
                       CorruptedOracle(references, VOCAB), overlap)
+    kinds = verification_kinds(llm)
     assert outputs(llm, prompts, params) == expected
+    assert True in kinds and (False in kinds or engine != "chunked"), "both ways of staging a verification"
     stats = llm.core.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], "accepted and rejected drafts"
     if engine == "preempting":
