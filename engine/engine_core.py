@@ -35,7 +35,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager)
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
-        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens)
+        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs)
                            if config.num_speculative_tokens else None)
         self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
 

@@ -9,7 +9,8 @@ hides, and its extra tokens cost compute that a large batch does not have spare.
 
 So speculation backs off by itself, per step:
 - per request, k follows its recent acceptance: the expected run of accepted tokens at that rate, plus one;
-- per step, a batch whose requests expect too few accepted tokens does not draft;
+- per step, a batch whose requests expect too few accepted tokens does not draft, and the drafts of a step
+  fit into one decode step of max_num_seqs rows (a row per token), so large batches draft little or nothing;
 - per batch size (batches of 2^(b-1)..2^b - 1 requests share a record), decoding steps measure output
   tokens per second with and without drafting, and the faster mode runs; the slower is tried again now and
   then (less often each time it loses), since acceptance and batch composition change.
@@ -63,9 +64,11 @@ class ModeRecord:
 
 
 class Speculator:
-    def __init__(self, method: str, max_draft_tokens: int):
+    def __init__(self, method: str, max_draft_tokens: int, max_rows: int):
+        """max_rows: the most rows a decode step has (max_num_seqs): a step's drafts are cut to fit its requests'
+        rows and theirs into one, so that it verifies them as a decode step (engine/step_inputs.py)."""
         self.drafter = DRAFTERS[method]()
-        self.max_draft_tokens = max_draft_tokens
+        self.max_draft_tokens, self.max_rows = max_draft_tokens, max_rows
         self.adaptive = True  # False: every step drafts (tests)
         self.modes: dict[int, ModeRecord] = {}
         self.num_drafted = self.num_accepted = 0
@@ -76,18 +79,23 @@ class Speculator:
         """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
         if not self.adaptive:
             return True
+        if len(running) >= self.max_rows:  # no row is left for a draft token
+            return False
         if sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
                if can_draft(seq)) < MIN_EXPECTED_GAIN * len(running):
             return False
         return self.modes.setdefault(len(running).bit_length(), ModeRecord()).choose()
 
     def propose(self, running: list[Sequence]) -> None:
-        """Gives each decoding request that may draft its draft tokens for the next step."""
+        """Gives each decoding request that may draft its draft tokens for the next step, oldest first while the
+        step's rows last."""
+        rows_left = self.max_rows - len(running)
         for seq in running:
             if can_draft(seq):
-                k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids))
+                k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
                 draft = self.drafter.propose(seq, k) if k > 0 else []
                 seq.draft_token_ids = valid_draft(seq.constraint, draft) if seq.constraint and draft else draft
+                rows_left -= len(seq.draft_token_ids)
 
     def verified(self, seqs: list[Sequence], sampled: list) -> None:
         """Counts a verification step's drafted and accepted tokens, per request and in total, before the
