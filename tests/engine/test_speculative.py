@@ -15,9 +15,11 @@ import pytest
 import torch
 import xgrammar
 from test_constraints import SCHEMA, tiny_vocabulary
+from test_graph_padding import with_eager_graphs
 
 from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
+from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.sampler import Sampler
 from engine.sequence import Sequence
@@ -264,3 +266,21 @@ def test_the_worker_streams_every_verified_token_with_its_logprobs(tiny_llama, p
         assert worker.stats()["spec_accepted_tokens"] > 0
     finally:
         worker.shutdown()
+
+
+def test_verification_steps_replay_the_graphs_of_their_padded_shapes(tiny_llama, prompts, plain):
+    """On the CPU, stand-in graphs run the forward on the padded buffers a GPU graph replays: verifications
+    as decode rows pad to the decode graph of their token count, mixed ones to a prefill graph."""
+    references, params, expected = plain
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=5", max_num_seqs=8,
+                          max_num_batched_tokens=40), CorruptedOracle(references, VOCAB))
+    graphs = with_eager_graphs(llm)
+    kinds = verification_kinds(llm)
+    assert outputs(llm, prompts, params) == expected
+    assert True in kinds
+    assert any(graph.replays for shape, graph in graphs.items() if shape.is_decode and shape.num_tokens > 1)
+    assert_all_blocks_free(llm)
+    graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32))
+    graphs.captured = dict.fromkeys(graphs.shapes())
+    assert graphs.shape_for([3, 4], as_rows=True) == GraphShape(8, 8, is_decode=True)
+    assert graphs.shape_for([3, 4]) == GraphShape(16, 32, is_decode=False)
