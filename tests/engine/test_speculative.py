@@ -24,6 +24,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from handler.grammar import GrammarConstraint
+from handler.logs import speculation_summary
 from random_decoders import TINY
 from speculative_testing import CorruptedOracle
 
@@ -286,3 +287,9 @@ def test_verification_steps_replay_the_graphs_of_their_padded_shapes(tiny_llama,
     graphs.captured = dict.fromkeys(graphs.shapes())
     assert graphs.shape_for([3, 4], as_rows=True) == GraphShape(8, 8, is_decode=True)
     assert graphs.shape_for([3, 4]) == GraphShape(16, 32, is_decode=False)
+
+
+def test_the_engine_line_reports_acceptance_only_while_speculating():
+    assert speculation_summary({"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}) == ""
+    assert speculation_summary({"spec_drafted_tokens": 40, "spec_accepted_tokens": 30}) == (
+        ", draft tokens accepted 30/40 (75%)")
