@@ -38,6 +38,7 @@ from throughput import workload
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK_CHARS = 1600
+CONTEXT = 512  # --step-cost: tokens each request has in the cache
 CODE_SOURCES = ("engine/*.py", "models/*.py", "kernels/*.py", "handler/*.py")
 DOC_SOURCES = ("README.md", "docs/*.md")
 CODE_TASK = ("Here is a piece of a Python file:\n```python\n{text}\n```\nRename `{name}` to `{name}_` everywhere in "
@@ -184,7 +185,8 @@ def step_cost(args) -> None:
     warm_lm_head(llm, max(args.draft_lengths))
     print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}")
     for batch in args.batches:
-        seqs = [core.make_sequence(i, [7 + i % 100] * 512, SamplingParams(temperature=0, max_tokens=64))
+        context = min(CONTEXT, core.max_model_len // 2)
+        seqs = [core.make_sequence(i, [7 + i % 100] * context, SamplingParams(temperature=0, max_tokens=64))
                 for i in range(batch)]
         for seq in seqs:
             core.add(seq)
