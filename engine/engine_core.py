@@ -92,7 +92,11 @@ class EngineCore:
 
         A step N+1 with constrained rows runs its forward ahead like any other, but is sampled only here,
         after step N's tokens are on the host and the constraints have accepted them: the masks are filled
-        while the device runs N+1's forward, which waits for them only if that takes longer than the forward."""
+        while the device runs N+1's forward, which waits for them only if that takes longer than the forward.
+
+        With speculation on (engine/speculation.py), a step whose requests draft is neither launched ahead nor
+        followed by a step launched ahead: its drafts need the tokens before them, and how many tokens each
+        request takes is known only once it is verified. The speculator decides per step which way pays."""
         launched, self.in_flight = self.in_flight, None
         drafting = launched is None and self._draft()
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
