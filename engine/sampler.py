@@ -128,7 +128,8 @@ class Sampler:
         min-p (the rule of speculative sampling for a drafter that proposes x with certainty), and draws from p
         without x, renormalised: the residual max(p - q, 0) of that rule. A request takes its accepted prefix
         and then the token of its first rejecting row (or of its last row), so each token it takes has exactly
-        the distribution plain sampling gives it. Penalised and seeded requests never draft."""
+        the distribution plain sampling gives it. Penalised requests, and seeded ones that are not greedy, never
+        draft."""
         plan = self.plan_for(row_seqs)
         if plan.bias is not None:
             logits = logits.float().index_put_(plan.bias[:2], plan.bias[2], accumulate=True)
