@@ -23,6 +23,7 @@ from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.sampler import Sampler
 from engine.sequence import Sequence
+from engine.speculation import ModeRecord, Speculator
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from random_decoders import TINY
@@ -293,3 +294,30 @@ def test_the_engine_line_reports_acceptance_only_while_speculating():
     assert speculation_summary({"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}) == ""
     assert speculation_summary({"spec_drafted_tokens": 40, "spec_accepted_tokens": 30}) == (
         ", draft tokens accepted 30/40 (75%)")
+
+
+def test_back_off_runs_the_faster_mode_and_retries_the_slower_less_and_less():
+    record = ModeRecord()
+    assert record.choose() is True  # drafting is measured first
+    record.record(True, 100.0)
+    assert record.choose() is False  # then plain steps
+    record.record(False, 300.0)
+    choices = [record.choose() for _ in range(2000)]
+    assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on retries"
+    retries = [i for i, drafting in enumerate(choices) if drafting and not choices[i - 1]]
+    gaps = [later - earlier for earlier, later in zip(retries, retries[1:])]
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    record.record(True, 1000.0)
+    assert record.choose() is True, "once drafting measures faster, it runs"
+
+
+def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
+    speculator = Speculator("ngram", 4, max_rows=4)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0), 64) for i in range(4)]
+    for seq in seqs:
+        seq.num_computed_tokens = 2
+    assert not speculator.decide(seqs), "no row is left for a draft token"
+    assert speculator.decide(seqs[:2])
+    for seq in seqs[:2]:
+        seq.acceptance = 0.01
+    assert not speculator.decide(seqs[:2]), "drafts that are almost never accepted"
