@@ -321,3 +321,15 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     for seq in seqs[:2]:
         seq.acceptance = 0.01
     assert not speculator.decide(seqs[:2]), "drafts that are almost never accepted"
+
+
+def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
+    """Rows of a verification read only their own window; blocks behind the window of the first token left
+    to compute are freed after the rollback, never one a later row still reads."""
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+    expected = outputs(LLM(tiny_mistral.path, dtype="float32"), prompts, params)
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", speculative="ngram:k=6"),
+                      CorruptedOracle(expected, VOCAB))
+    assert outputs(llm, prompts, params) == expected
+    assert llm.core.stats()["spec_accepted_tokens"] > 0
+    assert_all_blocks_free(llm)
