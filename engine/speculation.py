@@ -81,10 +81,10 @@ class Speculator:
             return True
         if len(running) >= self.max_rows:  # no row is left for a draft token
             return False
-        if sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
-               if can_draft(seq)) < MIN_EXPECTED_GAIN * len(running):
-            return False
-        return self.modes.setdefault(len(running).bit_length(), ModeRecord()).choose()
+        if not self.modes.setdefault(len(running).bit_length(), ModeRecord()).choose():
+            return False  # first, as it is cheap: a large batch that drafts no more costs no loop over it
+        return sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
+                   if can_draft(seq)) >= MIN_EXPECTED_GAIN * len(running)
 
     def propose(self, running: list[Sequence]) -> None:
         """Gives each decoding request that may draft its draft tokens for the next step, oldest first while the
