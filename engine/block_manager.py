@@ -203,6 +203,16 @@ class BlockManager:
             seq.block_table[i] = FREED
         seq.num_freed_blocks = max(seq.num_freed_blocks, num_unread)
 
+    def release_uncomputed(self, seq: Sequence) -> None:
+        """Frees seq's blocks past its computed tokens: those a verification step took for draft tokens the
+        model rejected. The block table is replaced, not shortened in place (step inputs rewrite a table they
+        have not seen; engine/step_inputs.py)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if keep < len(seq.block_table):
+            for block_id in reversed(seq.block_table[keep:]):
+                self._release(block_id)
+            seq.block_table = seq.block_table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Drops seq's references, tail blocks first so they are evicted before the shared prefix."""
         for block_id in reversed(seq.block_table):

@@ -48,13 +48,14 @@ class CudaGraphs:
         self.hidden: Tensor | None = None  # the hidden states every graph writes, [largest graph's tokens, H]
         self._pool = None  # the memory pool of the first graph, which the later, smaller ones share
 
-    def shape_for(self, num_tokens: list[int]) -> GraphShape | None:
-        """The captured graph to replay for a step computing num_tokens per row; None runs it eagerly."""
+    def shape_for(self, num_tokens: list[int], as_rows: bool = False) -> GraphShape | None:
+        """The captured graph to replay for a step computing num_tokens per row (as_rows: a verification step
+        staged as a decode row per token); None runs it eagerly."""
         num_rows, total = len(num_tokens), sum(num_tokens)
         if not self.captured or num_rows > self.max_num_seqs:
             return None
-        if total == num_rows:  # one token per row: pure decode
-            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_rows)]
+        if total == num_rows or as_rows:  # one token per row: pure decode (or verification rows)
+            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, total)]
             shape = GraphShape(size, size, is_decode=True)
         elif total <= self.prefill_tokens[-1]:
             size = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, total)]

@@ -10,6 +10,7 @@ from engine.embedding import Embedder
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.speculation import NO_SPECULATION, Speculator
 from engine.tensor_parallel import TensorParallelRanks
 from models.model_files import read_generation_config
 
@@ -34,6 +35,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager)
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
+        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs)
+                           if config.num_speculative_tokens else None)
+        self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """ValueError saying what is wrong with a prompt the engine cannot serve."""
@@ -88,13 +92,18 @@ class EngineCore:
 
         A step N+1 with constrained rows runs its forward ahead like any other, but is sampled only here,
         after step N's tokens are on the host and the constraints have accepted them: the masks are filled
-        while the device runs N+1's forward, which waits for them only if that takes longer than the forward."""
+        while the device runs N+1's forward, which waits for them only if that takes longer than the forward.
+
+        With speculation on (engine/speculation.py), a step whose requests draft is neither launched ahead nor
+        followed by a step launched ahead: its drafts need the tokens before them, and how many tokens each
+        request takes is known only once it is verified. The speculator decides per step which way pays."""
         launched, self.in_flight = self.in_flight, None
+        drafting = launched is None and self._draft()
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
             return []
-        if launched is None and self.runner.warming_up and len(num_tokens) == sum(num_tokens):
-            self.finish_warm_up()  # a pure decode step: from here on the graphs pay
+        if launched is None and self.runner.warming_up and decoding_only(seqs, num_tokens):
+            self.finish_warm_up()  # decode (or verification) rows only: from here on the graphs pay
         try:
             launched = launched or self.runner.launch(seqs, num_tokens)
             if self.overlap and launched.plannable and not self.runner.warming_up:  # warm-up needs none in flight
@@ -104,6 +113,8 @@ class EngineCore:
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             return self._fail(seqs, exc)
+        if self.speculator:
+            self._measure(launched, sampled, drafting)
         results = self.scheduler.update(seqs, num_tokens, sampled, logprobs)
         if self.in_flight is not None and self.in_flight.deferred:
             try:
@@ -130,6 +141,22 @@ class EngineCore:
         while self.runner.warming_up:
             self.runner.collective("warm_up_next")
 
+    def _draft(self) -> bool:
+        """Gives the running requests draft tokens when the next step is to draft (it is scheduled next)."""
+        drafting, self.draft_next = self.draft_next or bool(
+            self.speculator and self.scheduler.running and self.speculator.decide(self.scheduler.running)), False
+        if drafting:
+            self.speculator.propose(self.scheduler.running)
+        return drafting
+
+    def _measure(self, launched: LaunchedStep, sampled: list, drafting: bool) -> None:
+        """Counts a step's verified drafts and times it for the speculator's choice of mode."""
+        if launched.drafts is not None:
+            self.speculator.verified(launched.seqs, sampled)
+        decoding = decoding_only(launched.seqs, launched.num_tokens)
+        num_tokens = sum(len(tokens) if isinstance(tokens, list) else tokens is not None for tokens in sampled)
+        self.speculator.step_done(len(launched.seqs), drafting, decoding, num_tokens)
+
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
         failed = [seq for seq in seqs if not seq.is_finished]
         self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")
@@ -138,6 +165,9 @@ class EngineCore:
     def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
         """The step after `launched`, launched before its sampled ids are read, or None when the scheduler
         must wait for them."""
+        if self.speculator and self.speculator.decide(self.scheduler.running):
+            self.draft_next = True  # drafts need this step's tokens
+            return None
         planned = self.scheduler.schedule_ahead(launched.seqs, launched.num_tokens, launched.sample_rows)
         if planned is None or not planned[0]:
             return None
@@ -148,7 +178,8 @@ class EngineCore:
         bm = self.block_manager
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
-                "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions}
+                "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
+                **(self.speculator.stats() if self.speculator else NO_SPECULATION)}
 
 
 def eos_token_ids(loaded) -> tuple[int, ...]:
@@ -159,3 +190,8 @@ def eos_token_ids(loaded) -> tuple[int, ...]:
         if source is not None:
             found.extend(source if isinstance(source, (list, tuple)) else [source])
     return tuple(dict.fromkeys(int(token) for token in found))
+
+
+def decoding_only(seqs: list[Sequence], num_tokens: list[int]) -> bool:
+    """Whether every row of a step decodes: one token, plus the draft tokens it verifies (no prompt chunk)."""
+    return all(n == 1 + len(seq.draft_token_ids) for seq, n in zip(seqs, num_tokens))

@@ -17,10 +17,12 @@ Start-up ends once the KV cache is sized: the warm-up that only makes steps fast
 count, the CUDA graphs) is left to warm_up_next(), which the engine calls while it is idle and before the first
 decode step (engine/engine_core.py); until then steps run eagerly.
 """
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -64,11 +66,17 @@ class LaunchedStep:
     logits: Tensor | None = None  # of the sampling rows, until sample() has used them
     logprobs: Tensor | None = None  # sampler.top_logprobs of the rows that ask (logprob_rows), beside ids
     logprob_rows: list[int] | None = None
+    drafts: list[list[int]] | None = None  # a verification step: the draft tokens each sampling row verifies
 
     @property
     def deferred(self) -> bool:
         """Launched, not yet sampled: ModelRunner.sample() must run before finish()."""
         return self.logits is not None
+
+
+def verification_rows(seqs: list[Sequence], drafts: list[list[int]]) -> list[Sequence]:
+    """The request of each logits row of a verification step: one per draft token, and one more."""
+    return [seq for seq, draft in zip(seqs, drafts) for _ in range(len(draft) + 1)]
 
 
 class ModelRunner:
@@ -101,8 +109,9 @@ class ModelRunner:
         self.buffers = StepBuffers(config, self.max_model_len, self.device)
         self.token_masks: TokenMasks | None = None  # made for the first step with a constrained request
         if self.device.type == "cuda":  # two: a step's ids may still be on their way while the next is launched
-            self.host_ids = [(torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=True),
-                              torch.zeros(config.max_num_seqs * (1 + 2 * MAX_LOGPROBS), pin_memory=True),
+            rows = config.max_num_seqs * (1 + config.num_speculative_tokens)  # verification: a row per draft token
+            self.host_ids = [(torch.zeros(2 * rows, dtype=torch.int64, pin_memory=True),
+                              torch.zeros(rows * (1 + 2 * MAX_LOGPROBS), pin_memory=True),
                               torch.cuda.Event()) for _ in range(2)]
             self.num_launched = 0
             self.lm_head_rows = list(range(1, config.max_num_seqs + 1))
@@ -154,11 +163,17 @@ class ModelRunner:
         """Starts the step on the device without waiting for it. With ahead, it goes on from the last step
         launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
         to sample() once that one has been applied."""
-        staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens), ahead, follows)
+        as_rows = ahead is None and self.buffers.verifies_as_rows(seqs, num_tokens)
+        staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens, as_rows), ahead, follows,
+                                    as_rows)
         logits = self.collective("execute", staged)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
+        if any(seq.draft_token_ids for seq in sampling):
+            step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, False, sampling, logits=logits)
+            self.verify(step)
+            return step
         drawn_ahead = [1] * len(follows) + [0] * (len(sampling) - len(follows))  # the leading rows all sample
         plan = self.sampler.plan_for(sampling)
         step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, not plan.penalised, sampling,
@@ -174,12 +189,33 @@ class ModelRunner:
         sampling, plan = step.sampling, self.sampler.plan_for(step.sampling)
         masks = None
         if plan.constrained:
-            if self.token_masks is None:
-                self.token_masks = TokenMasks(step.logits.shape[1], self.config.max_num_seqs, self.sampler.uploads)
-            masks = self.token_masks.build(sampling)
+            masks = self._token_masks(step.logits.shape[1]).build(sampling)
         self.last_sampled, logprobs = self.sampler.sample(step.logits, sampling, step.drawn_ahead, masks)
         step.logits, step.logprob_rows = None, plan.logprob_rows
         step.ids, step.logprobs, step.ready = self._to_host(self.last_sampled, logprobs)
+
+    @torch.inference_mode()
+    def verify(self, step: LaunchedStep) -> None:
+        """Samples a verification step (Sampler.verify): every row of each request's draft tokens and its
+        last; starts copying the drawn tokens and acceptances (and logprobs) to the host."""
+        step.drafts = [list(seq.draft_token_ids) for seq in step.sampling]
+        row_seqs = verification_rows(step.sampling, step.drafts)
+        targets = np.fromiter(itertools.chain.from_iterable(draft + [-1] for draft in step.drafts), dtype=np.int64,
+                              count=len(row_seqs))
+        masks = None
+        if any(seq.constraint is not None for seq in step.sampling):
+            masks = self._token_masks(step.logits.shape[1]).build(step.sampling, step.drafts)
+        packed, logprobs = self.sampler.verify(step.logits, row_seqs, targets, masks)
+        step.logits, step.logprob_rows = None, self.sampler.plan_for(row_seqs).logprob_rows
+        step.ids, step.logprobs, step.ready = self._to_host(packed, logprobs)
+
+    def _token_masks(self, vocab_size: int) -> TokenMasks:
+        """The bitmask buffers, made for the first step with a constrained request: a row per request and
+        per draft token it may verify."""
+        if self.token_masks is None:
+            rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+            self.token_masks = TokenMasks(vocab_size, rows, self.sampler.uploads)
+        return self.token_masks
 
     def finish(self, step: LaunchedStep) -> tuple[list[int | None], list | None]:
         """The sampled token of each of the step's sequences (None: a prompt chunk that does not reach the
@@ -188,21 +224,51 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.synchronize()
         sampled = [None] * len(step.seqs)
+        if step.drafts is not None:
+            return self._verified(step, sampled)
         if step.ids is not None:
             for row, token_id in zip(step.sample_rows, step.ids.tolist()):
                 sampled[row] = token_id
         return sampled, self._logprobs(step)
 
+    def _verified(self, step: LaunchedStep, sampled: list) -> tuple[list, list | None]:
+        """The tokens each request of a verification step takes: its accepted draft tokens, up to the first
+        it rejects, then the token drawn in that row (or in its last row when it accepts them all); with
+        each token's logprobs where asked."""
+        values = step.ids.tolist()
+        drawn, accepted = values[:len(values) // 2], values[len(values) // 2:]
+        row_logprobs = self._row_logprobs(step, verification_rows(step.sampling, step.drafts))
+        per_seq = [None] * len(step.seqs) if row_logprobs else None
+        first = 0
+        for i, draft in enumerate(step.drafts):
+            taken = next((j for j in range(len(draft)) if not accepted[first + j]), len(draft))
+            sampled[step.sample_rows[i]] = draft[:taken] + [drawn[first + taken]]
+            if row_logprobs:
+                per_seq[step.sample_rows[i]] = row_logprobs[first:first + taken + 1]
+            first += len(draft) + 1
+        return sampled, per_seq
+
     def _logprobs(self, step: LaunchedStep) -> list | None:
-        if step.logprobs is None:
+        row_logprobs = self._row_logprobs(step, step.sampling)
+        if row_logprobs is None:
             return None
         per_seq = [None] * len(step.seqs)
-        sampling = step.sampling
-        for row, values in zip(step.logprob_rows, step.logprobs.tolist()):
-            k, width = sampling[row].params.logprobs, (len(values) - 1) // 2
-            top_ids = [int(token_id) for token_id in values[1 + width:1 + width + k]]
-            per_seq[step.sample_rows[row]] = (values[0], top_ids, values[1:1 + k])
+        for row, values in enumerate(row_logprobs):
+            per_seq[step.sample_rows[row]] = values
         return per_seq
+
+    @staticmethod
+    def _row_logprobs(step: LaunchedStep, row_seqs: list[Sequence]) -> list | None:
+        """Each sampling row's (logprob, top ids, their logprobs), None where its request does not ask; None
+        when no row asks."""
+        if step.logprobs is None:
+            return None
+        per_row = [None] * len(row_seqs)
+        for row, values in zip(step.logprob_rows, step.logprobs.tolist()):
+            k, width = row_seqs[row].params.logprobs, (len(values) - 1) // 2
+            top_ids = [int(token_id) for token_id in values[1 + width:1 + width + k]]
+            per_row[row] = (values[0], top_ids, values[1:1 + k])
+        return per_row
 
     def _to_host(self, ids: Tensor, logprobs: Tensor | None) -> tuple[Tensor, Tensor | None,
                                                                      "torch.cuda.Event | None"]:

@@ -3,6 +3,9 @@ from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
 
+# What a request's drafts are expected to achieve before any is verified: optimistic, so drafting starts long.
+INITIAL_ACCEPTANCE = 0.8
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -22,7 +25,8 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
-                 "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs")
+                 "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
+                 "draft_token_ids", "draft_state", "acceptance")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
@@ -47,6 +51,9 @@ class Sequence:
         self.constraint = constraint
         self.shares_prompt_with = shares_prompt_with
         self.logprobs: list[tuple[float, list[int], list[float]]] = []  # per output token, when params ask
+        self.draft_token_ids: list[int] = []  # guesses of the tokens after token_ids, verified by the next step
+        self.draft_state = None               # the drafter's own record of this request (engine/drafters.py)
+        self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -15,6 +15,7 @@ from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.speculation import NO_SPECULATION
 from engine.startup_log import note
 from engine.tensor_parallel import load_on_all_ranks
 
@@ -39,6 +40,7 @@ class _Request:
     seq: Sequence
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    num_sent: int = 0  # output tokens delivered (a verification step adds several at once)
 
 
 @dataclass
@@ -153,7 +155,7 @@ class Worker:
     def stats(self) -> dict:
         if self.core is None:
             return {"running": 0, "waiting": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-                    "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
+                    "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, **NO_SPECULATION}
         return self.core.stats()
 
     def shutdown(self) -> None:
@@ -243,10 +245,12 @@ class Worker:
             request = self._requests.get(seq.request_id)
             if request is None or (token_id is None and not seq.is_finished):
                 continue
-            logprobs = seq.logprobs[-1:] if token_id is not None and seq.params.logprobs is not None else None
-            output = RequestOutput(seq.request_id, [] if token_id is None else [token_id], seq.finish_reason,
-                                   seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                                   logprobs)
+            new_token_ids = [] if token_id is None else seq.output_token_ids[request.num_sent:]
+            logprobs = (seq.logprobs[request.num_sent:] if token_id is not None and seq.params.logprobs is not None
+                        else None)
+            request.num_sent += len(new_token_ids)
+            output = RequestOutput(seq.request_id, new_token_ids, seq.finish_reason, seq.error, seq.num_prompt_tokens,
+                                   seq.num_output_tokens, seq.num_cached_tokens, logprobs)
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:
