@@ -117,6 +117,7 @@ def random_workload(batch: int, max_tokens: int) -> tuple[list[list[int]], list[
 def run(llm: LLM, mode: str, k: int, prompts, params) -> dict:
     core = llm.core
     core.speculator = None if mode == "off" else Speculator(mode, k, llm.config.max_num_seqs)
+    core.draft_next = False  # the mode before may have left a drafting step to come
     core.block_manager.reset_prefix_cache()
     synchronize()
     started = time.perf_counter()
