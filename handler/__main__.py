@@ -116,8 +116,8 @@ def load(name: str, path: str, config):
     blocks = worker.stats()["num_total_blocks"]
     kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
     kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
-    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-             f"max_model_len {worker.max_model_len}{kv_cache}")
+    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
+             f"{worker.weight_bytes / 2**30:.2f} GiB, max_model_len {worker.max_model_len}{kv_cache}")
     return worker, tokenizer
 
 

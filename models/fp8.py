@@ -71,7 +71,7 @@ def fp8_format(hf_config, method: str = "scaled_mm") -> Fp8Format | None:
         return _finegrained_format(quant, method)
     if kind == "compressed-tensors":
         return _compressed_tensors_format(quant, method)
-    if kind == "mxfp4":  # gpt-oss: only its experts, dequantized at load by models/moe.py
+    if kind == "mxfp4":  # gpt-oss: only its experts, kept in MXFP4 by models/moe.py
         return None
     raise ValueError(f"quantization_config.quant_method {kind!r} is not supported (supported: 'fp8' and "
                      "'compressed-tensors' with FP8 weights)")
