@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # HFENDPOINT_MAX_BATCHED_TOKENS
     max_num_seqs: int = 256             # HFENDPOINT_MAX_SEQS
     tensor_parallel_size: int = 1       # HFENDPOINT_TENSOR_PARALLEL_SIZE
+    data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
     block_size: int = 16                # HFENDPOINT_KV_BLOCK_SIZE
     cpu_kv_cache_gb: float = 1.0        # HFENDPOINT_CPU_KV_CACHE_GB (KV budget on CPU)
     num_kv_blocks: int | None = None    # HFENDPOINT_NUM_KV_BLOCKS (override, tests force tiny pools)
@@ -40,7 +41,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
-                     "block_size", "max_embedding_batch_tokens"):
+                     "data_parallel_size", "block_size", "max_embedding_batch_tokens"):
             value = getattr(self, name)
             _check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
         _check("block_size", self.block_size & (self.block_size - 1) == 0, "a power of two (the kernels need it)")
@@ -103,6 +104,7 @@ ENV_NAMES = {
     "max_num_batched_tokens": "HFENDPOINT_MAX_BATCHED_TOKENS",
     "max_num_seqs": "HFENDPOINT_MAX_SEQS",
     "tensor_parallel_size": "HFENDPOINT_TENSOR_PARALLEL_SIZE",
+    "data_parallel_size": "HFENDPOINT_DATA_PARALLEL_SIZE",
     "block_size": "HFENDPOINT_KV_BLOCK_SIZE",
     "cpu_kv_cache_gb": "HFENDPOINT_CPU_KV_CACHE_GB",
     "num_kv_blocks": "HFENDPOINT_NUM_KV_BLOCKS",

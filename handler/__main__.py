@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
     reason logged) when loading fails."""
-    from engine import Worker
+    from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
     log.info(f"loading {name} ({path})")
     started = time.perf_counter()
@@ -107,7 +107,7 @@ def load(name: str, path: str, config):
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     try:
         tokenizer = load_tokenizer(path, config.cache_dir)
-        worker = Worker(config, on_fatal=exit_soon)
+        worker = make_worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None

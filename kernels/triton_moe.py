@@ -14,8 +14,9 @@
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
 gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H]. Either may be MXFP4
-(kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales
-and dequantize each tile in registers before a bf16 MMA (Hopper has no FP4 MMA; what MXFP4 saves is bytes read).
+(kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales,
+turn the codes into bf16 values in registers for the MMA and scale each 32-column group's partial sums (Hopper
+has no FP4 MMA; what MXFP4 saves is bytes read).
 """
 import math
 from dataclasses import dataclass
@@ -184,25 +185,34 @@ def _block_rows(sorted_ptr, block, num_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_tile(blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DTYPE: tl.constexpr):
-    """Weight rows `rows` [BLOCK_N] (int64), columns k0 .. k0 + BLOCK_K - 1, of an MXFP4 weight with K columns
-    (blocks: K / 2 bytes a row, scales: K / 32 a row), dequantized in registers to DTYPE (zeros past K)."""
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(blocks_ptr + rows[:, None] * (K // 2) + byte_cols[None, :],
-                     mask=row_mask[:, None] & (byte_cols < K // 2)[None, :], other=0)
-    group_cols = k0 // 32 + tl.arange(0, GROUPS)
-    exponents = tl.load(scales_ptr + rows[:, None] * (K // 32) + group_cols[None, :],
-                        mask=row_mask[:, None] & (group_cols < K // 32)[None, :], other=0)
-    packed = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))  # the low nibble first
-    mantissa, exponent = codes & 1, (codes >> 1) & 3
-    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 x |E2M1 value|
-    values = tl.where((codes & 8) != 0, -quarters, quarters).to(tl.float32)
-    scales = tl.exp2(exponents.to(tl.float32) - 129.0)  # 2^(s - 127), and the quarters' 1/4
-    values = tl.reshape(values, (BLOCK_N, GROUPS, 32)) * scales[:, :, None]
-    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DTYPE)
+def _e2m1_values(codes, DTYPE: tl.constexpr):
+    """4-bit E2M1 codes (int32: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) as DTYPE values, exact: float32
+    bits built from the code (no conversion from an integer), then narrowed."""
+    magnitude = codes & 7
+    exponent = tl.where(magnitude < 2, 126, (magnitude >> 1) + 126)  # 0.5 = 2^-1; 1, 1.5 = 2^0 (1 + m/2); ...
+    mantissa = tl.where(magnitude < 2, 0, (magnitude & 1) << 22)
+    bits = tl.where(magnitude == 0, 0, (exponent << 23) | mantissa) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, K, DOT_PRECISION: tl.constexpr):
+    """x [BLOCK_M, 32] (row pointers x_rows [BLOCK_M, 1], columns k .. k + 31) times weight rows `rows` [BLOCK_N]
+    (int64) of an MXFP4 weight with K columns, over that one scale group: [BLOCK_M, BLOCK_N] float32. The low
+    nibbles hold the group's even columns and the high ones its odd columns, so the group is two dots over 16
+    columns each, x read the same way, and its scales multiply the sum: no shuffle of the codes."""
+    pairs = tl.arange(0, 16)
+    in_k = (k + 2 * pairs < K)[None, :]  # the group lies wholly inside K or wholly past it
+    packed = tl.load(blocks_ptr + rows[:, None] * (K // 2) + (k // 2 + pairs)[None, :],
+                     mask=row_mask[:, None] & in_k, other=0).to(tl.int32)
+    # a group past K reads the last group's scales (in bounds) and multiplies a zero sum by them
+    exponents = tl.load(scales_ptr + rows * (K // 32) + tl.minimum(k, K - 32) // 32, mask=row_mask, other=0)
+    x_even = tl.load(x_rows + k + 2 * pairs[None, :], mask=x_mask & in_k, other=0.0)
+    x_odd = tl.load(x_rows + k + 1 + 2 * pairs[None, :], mask=x_mask & in_k, other=0.0)
+    dtype = x_even.dtype
+    sums = tl.dot(x_even, tl.trans(_e2m1_values(packed & 0xF, dtype)), input_precision=DOT_PRECISION)
+    sums = tl.dot(x_odd, tl.trans(_e2m1_values(packed >> 4, dtype)), sums, input_precision=DOT_PRECISION)
+    return sums * tl.exp2(exponents.to(tl.float32) - 127.0)[None, :]
 
 
 @triton.jit
@@ -225,11 +235,15 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         gate_rows = expert.to(tl.int64) * 2 * INTER + cols
+        x_rows = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x
         for k0 in range(0, K, BLOCK_K):
             if MXFP4:
-                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
-                w_gate = _mxfp4_tile(w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_N, BLOCK_K, x.dtype)
-                w_up = _mxfp4_tile(w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_N, BLOCK_K, x.dtype)
+                for group in tl.static_range(BLOCK_K // 32):
+                    k = k0 + group * 32
+                    gate += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr, gate_rows, col_mask, k,
+                                             K, DOT_PRECISION)
+                    up += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr, gate_rows + INTER,
+                                           col_mask, k, K, DOT_PRECISION)
             elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=col_mask[:, None], other=0.0)
@@ -239,8 +253,9 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
                 x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
                 w_up = tl.load(up_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
-            gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, tl.trans(w_up), up, input_precision=DOT_PRECISION)
+            if not MXFP4:
+                gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=DOT_PRECISION)
+                up = tl.dot(x, tl.trans(w_up), up, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
@@ -275,11 +290,13 @@ def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorte
         x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
         w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
             if MXFP4:
-                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
-                w = _mxfp4_tile(w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K, BLOCK_N, BLOCK_K,
-                                x.dtype)
+                for group in tl.static_range(BLOCK_K // 32):
+                    acc += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr,
+                                            expert.to(tl.int64) * N + cols, col_mask, k0 + group * 32, K,
+                                            DOT_PRECISION)
             elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
@@ -287,7 +304,8 @@ def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorte
                 k_mask = (k0 + ks < K)[None, :]
                 x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if not MXFP4:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         release_next(USE_PDL)

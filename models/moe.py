@@ -39,6 +39,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 _PER_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MXFP4_WEIGHT = re.compile(r"(.*\.mlp\.experts\.(?:gate_up|down)_proj)_(blocks|scales)$")
 _QWEN3_ROUTER = re.compile(r"(.*\.mlp)\.gate\.weight$")
+GPT_OSS_SWIGLU_ALPHA = 1.702  # transformers' configs before swiglu_alpha existed: the value gpt-oss hard-codes
 CHECKPOINT_LAYOUTS = {  # how a checkpoint stores the experts
     "per_expert": "one tensor per expert and projection",
     "interleaved": "stacked tensors with gate and up features interleaved",
@@ -73,7 +74,8 @@ def moe_spec(config) -> MoeSpec:
         if method not in (None, "mxfp4"):
             raise ValueError(f"gpt-oss quantization {method!r} is not supported (supported: mxfp4, or none)")
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
-                       renormalize=True, bias=True, activation="clamped_swiglu", swiglu_alpha=config.swiglu_alpha,
+                       renormalize=True, bias=True, activation="clamped_swiglu",
+                       swiglu_alpha=getattr(config, "swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
                        swiglu_limit=config.swiglu_limit,
                        checkpoint_layout="mxfp4" if method == "mxfp4" else "interleaved")
     raise ValueError(f"model type {config.model_type!r} has no routed MLP (supported: {', '.join(MOE_MODEL_TYPES)})")

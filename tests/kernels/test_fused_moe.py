@@ -1,6 +1,8 @@
 """The Triton mixture of experts (routing, the sort by expert, the grouped GEMMs) against the torch reference's
 loop over experts, with uneven expert loads, experts that get no token, top-k 1, 2 and 8, one token, biases
 on and off, and both activations; and experts in MXFP4 against the reference on their dequantized values."""
+import math
+
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, TOLERANCE, assert_close, cuda_only
@@ -137,10 +139,12 @@ def test_fused_moe_rejects_mismatched_weights():
 
 
 def mxfp4_weight(num_experts, rows, cols, generator):
-    """Random MXFP4 codes (every E2M1 value, both signs) with per-group scales around 2^-6 (a spread of eight
-    powers of two), as the experts of a published checkpoint hold them."""
+    """Random MXFP4 codes (every E2M1 value, both signs; their root mean square is near 3) under per-group
+    scales spread over four powers of two around 1 / (3 sqrt(cols)), so that outputs stay near unit size."""
     blocks = torch.randint(0, 256, (num_experts, rows, cols // 2), dtype=torch.uint8, generator=generator)
-    scales = torch.randint(119, 127, (num_experts, rows, cols // 32), dtype=torch.uint8, generator=generator)
+    center = 127 - round(math.log2(3 * cols**0.5))
+    scales = torch.randint(center - 2, center + 2, (num_experts, rows, cols // 32), dtype=torch.uint8,
+                           generator=generator)
     return Mxfp4Weight(blocks.to(DEVICE), scales.to(DEVICE))
 
 
