@@ -27,7 +27,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # HFENDPOINT_MAX_BATCHED_TOKENS
     max_num_seqs: int = 256             # HFENDPOINT_MAX_SEQS
     tensor_parallel_size: int = 1       # HFENDPOINT_TENSOR_PARALLEL_SIZE
-    data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
     block_size: int = 16                # HFENDPOINT_KV_BLOCK_SIZE
     cpu_kv_cache_gb: float = 1.0        # HFENDPOINT_CPU_KV_CACHE_GB (KV budget on CPU)
     num_kv_blocks: int | None = None    # HFENDPOINT_NUM_KV_BLOCKS (override, tests force tiny pools)
@@ -38,6 +37,7 @@ class EngineConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)  # HFENDPOINT_CACHE_DIR: GGUF metadata
     fp8_gemm: str = "scaled_mm"         # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
     kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
+    data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",

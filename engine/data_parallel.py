@@ -87,7 +87,10 @@ class DataParallelWorker:
             raise
         for fact in WORKER_FACTS:
             setattr(self, fact, getattr(self.local, fact))
-        self.core, self.embedder = self.local.core, self.local.embedder
+        if self.kind != "decoder":
+            self.shutdown()
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: {config.model} is an embedding model, "
+                             "served by one engine; set HFENDPOINT_DATA_PARALLEL_SIZE to 1")
         capacities = [self.local.stats()["num_total_blocks"]] + [r.facts["num_total_blocks"] for r in self.remotes]
         self.router = PrefixRouter(capacities, config.block_size)
         self._engine_of: dict[object, int] = {}  # requests in flight -> engine index
@@ -114,7 +117,7 @@ class DataParallelWorker:
             if engine == 0:
                 self.local.submit(request_id, prompt_token_ids, params, constraint, tracked, shares_prompt_with)
             else:
-                self.core.make_sequence(request_id, prompt_token_ids, params)  # the same checks, here (ValueError)
+                self.local.core.make_sequence(request_id, prompt_token_ids, params)  # its checks, here (ValueError)
                 self.remotes[engine - 1].submit(request_id, prompt_token_ids, params, tracked)
             self._engine_of[request_id] = engine
             self.router.started(engine, prompt_token_ids)

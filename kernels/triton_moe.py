@@ -14,9 +14,10 @@
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
 gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H]. Either may be MXFP4
-(kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales,
-turn the codes into bf16 values in registers for the MMA and scale each 32-column group's partial sums (Hopper
-has no FP4 MMA; what MXFP4 saves is bytes read).
+(kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales
+and multiply them in registers, with tl.dot_scaled for bf16 and fp16 activations (on Hopper, which has no FP4
+MMA, Triton upcasts the codes for a bf16 MMA: what MXFP4 saves there is bytes read) and, for float32 ones, one
+pair of dots per 32-column scale group.
 """
 import math
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from kernels.dependent_launch import launch_options, release_next, wait_for_prev
 from kernels.mxfp4 import GROUP_SIZE, Mxfp4Weight
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
+# Activations tl.dot_scaled multiplies with MXFP4 weights; float32 ones take the MXFP4 GEMMs' per-group path.
+SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,9 @@ def _e2m1_values(codes, DTYPE: tl.constexpr):
 
 @triton.jit
 def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, K, DOT_PRECISION: tl.constexpr):
-    """x [BLOCK_M, 32] (row pointers x_rows [BLOCK_M, 1], columns k .. k + 31) times weight rows `rows` [BLOCK_N]
-    (int64) of an MXFP4 weight with K columns, over that one scale group: [BLOCK_M, BLOCK_N] float32. The low
+    """The float32 activations' MXFP4 product (tl.dot_scaled takes bf16 and fp16 ones only): x [BLOCK_M, 32] (row
+    pointers x_rows [BLOCK_M, 1], columns k .. k + 31) times weight rows `rows` [BLOCK_N] (int64) of an MXFP4
+    weight with K columns, over that one scale group: [BLOCK_M, BLOCK_N] float32. The low
     nibbles hold the group's even columns and the high ones its odd columns, so the group is two dots over 16
     columns each, x read the same way, and its scales multiply the sum: no shuffle of the codes."""
     pairs = tl.arange(0, 16)
@@ -216,10 +220,24 @@ def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, 
 
 
 @triton.jit
+def _mxfp4_scaled_dot(acc, x, blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_K: tl.constexpr,
+                      X_FORMAT: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] (columns k0 ..) times weight rows `rows` [BLOCK_N] (int64) of an MXFP4 weight
+    with K columns, by tl.dot_scaled (X_FORMAT: x's, "bf16" or "fp16")."""
+    byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(blocks_ptr + rows[:, None] * (K // 2) + byte_cols[None, :],
+                     mask=row_mask[:, None] & (byte_cols < K // 2)[None, :], other=0)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    exponents = tl.load(scales_ptr + rows[:, None] * (K // 32) + groups[None, :],
+                        mask=row_mask[:, None] & (groups < K // 32)[None, :], other=0)
+    return tl.dot_scaled(x, None, X_FORMAT, tl.trans(packed), exponents, "e2m1", acc=acc)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, stride_x,
                     INTER, K, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA,
-                    LIMIT, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    LIMIT, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     USE_PDL: tl.constexpr):
     """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots. MXFP4: w_ptr
     holds the packed blocks and scales_ptr their scales (kernels/mxfp4.py)."""
@@ -237,7 +255,12 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
         gate_rows = expert.to(tl.int64) * 2 * INTER + cols
         x_rows = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x
         for k0 in range(0, K, BLOCK_K):
-            if MXFP4:
+            if MXFP4 and X_FORMAT != "":
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
+                gate = _mxfp4_scaled_dot(gate, x, w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_K, X_FORMAT)
+                up = _mxfp4_scaled_dot(up, x, w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_K,
+                                       X_FORMAT)
+            elif MXFP4:
                 for group in tl.static_range(BLOCK_K // 32):
                     k = k0 + group * 32
                     gate += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr, gate_rows, col_mask, k,
@@ -276,9 +299,9 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
 
 @triton.jit
 def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows,
-                 N, K, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 N, K, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations);
     MXFP4 as in _gate_up_kernel."""
     block, cols, col_mask = _column_tile(N, BLOCK_N)
@@ -292,7 +315,11 @@ def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorte
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
-            if MXFP4:
+            if MXFP4 and X_FORMAT != "":
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
+                acc = _mxfp4_scaled_dot(acc, x, w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K,
+                                        BLOCK_K, X_FORMAT)
+            elif MXFP4:
                 for group in tl.static_range(BLOCK_K // 32):
                     acc += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr,
                                             expert.to(tl.int64) * N + cols, col_mask, k0 + group * 32, K,
@@ -323,6 +350,7 @@ def _gemm_options(tiles: GemmTiles, k: int, dtype: torch.dtype, weight: torch.Te
         raise ValueError(f"fused_moe: BLOCK_K {tiles.block_k} must be a multiple of the MXFP4 group size "
                          f"{GROUP_SIZE}")
     return dict(w_ptr=weight.blocks if mxfp4 else weight, scales_ptr=weight.scales if mxfp4 else weight, MXFP4=mxfp4,
+                X_FORMAT=SCALED_DOT_FORMATS.get(dtype, ""),
                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
