@@ -99,13 +99,17 @@ def test_moe_layer_through_triton_kernels_matches_reference(checkpoints, name, m
     x = torch.randn(9, config.hidden_size)
     with torch.no_grad():
         expected = layer.mlp(x)
-        if torch.cuda.is_available():
-            actual = layer.cuda().mlp(x.cuda()).cpu()
-        else:
-            triton_backend = kernels._backend("cuda")
-            monkeypatch.setattr(kernels, "_backend", lambda device_type: triton_backend)
-            actual = layer.mlp(x)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(through_triton_kernels(layer, x, monkeypatch), expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def through_triton_kernels(layer: OneMoeLayer, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """The layer's output on the Triton kernels: on the GPU, or interpreted on the CPU tensors."""
+    if torch.cuda.is_available():
+        return layer.cuda().mlp(x.cuda()).cpu()
+    triton_backend = kernels._backend("cuda")
+    monkeypatch.setattr(kernels, "_backend", lambda device_type: triton_backend)
+    return layer.mlp(x)
 
 
 def mxfp4_checkpoint(reference, path) -> dict:
@@ -133,13 +137,7 @@ def test_gpt_oss_layer_from_mxfp4_experts(tmp_path, monkeypatch):
     with torch.no_grad():
         expected = transformers_block(reference)(x)
         torch.testing.assert_close(layer.mlp(x), expected, atol=1e-5, rtol=1e-5)
-        if torch.cuda.is_available():
-            actual = layer.cuda().mlp(x.cuda()).cpu()
-        else:
-            triton_backend = kernels._backend("cuda")
-            monkeypatch.setattr(kernels, "_backend", lambda device_type: triton_backend)
-            actual = layer.mlp(x)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(through_triton_kernels(layer, x, monkeypatch), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_missing_mxfp4_scales_are_named(tmp_path):
