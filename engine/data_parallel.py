@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+import weakref
 
 import torch
 
@@ -180,7 +181,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self.pipe, theirs = context.Pipe()
         self.process = context.Process(target=run_engine, args=(config, devices, theirs, os.getpid()),
-                                       name=f"data-parallel-engine-{index}", daemon=True)
+                                       name=f"data-parallel-engine-{index}")  # not daemonic: it may start TP ranks
         self.process.start()
         theirs.close()
         self.facts: dict = {}
@@ -188,6 +189,8 @@ class EngineProcess:
         self._requests: dict[object, tuple[_Finishing, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()
         self._stopping = False
+        # at interpreter exit too: multiprocessing would otherwise wait forever for the (non-daemonic) engine
+        self._stop = weakref.finalize(self, stop_engine, self.process, self.pipe, self._lock)
 
     def wait_ready(self) -> None:
         """Returns once the engine has loaded; raises with its error otherwise."""
@@ -216,16 +219,9 @@ class EngineProcess:
         return self.last_stats
 
     def shutdown(self) -> None:
+        """Stops the engine (a second call does nothing)."""
         self._stopping = True
-        try:
-            with self._lock:
-                self.pipe.send(("stop", ()))
-        except OSError:
-            pass
-        self.process.join(SHUTDOWN_GRACE_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._stop()
 
     def _read(self) -> None:
         """Outputs to their requests' queues, on their event loops, until the engine's pipe closes."""
@@ -256,6 +252,18 @@ class EngineProcess:
         for request_id, (queue, loop) in requests.items():
             _post(loop, _put_all, [(queue, RequestOutput(request_id, [], "error", f"{reason}: the engine cannot go on",
                                                          0, 0, 0))])
+
+
+def stop_engine(process, pipe, lock: threading.Lock) -> None:
+    try:
+        with lock:
+            pipe.send(("stop", ()))
+    except OSError:
+        pass
+    process.join(SHUTDOWN_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 # ---- the spawned engine --------------------------------------------------------------------------------

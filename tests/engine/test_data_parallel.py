@@ -100,3 +100,23 @@ def test_each_engine_gets_its_own_gpus(monkeypatch):
     assert engine_devices(EngineConfig("unused", device="cpu", data_parallel_size=3)) == [None] * 3
     with pytest.raises(ValueError, match="needs 6 GPUs but 4 are visible"):
         engine_devices(EngineConfig("unused", device="cuda", data_parallel_size=3, tensor_parallel_size=2))
+
+
+@pytest.mark.slow  # four processes: two engines of two tensor-parallel ranks each
+def test_data_parallel_engines_of_tensor_parallel_ranks(tiny_llama, prompts_of_lengths):
+    worker = DataParallelWorker(EngineConfig(tiny_llama.path, device="cpu", data_parallel_size=2,
+                                             tensor_parallel_size=2))
+    prompts = prompts_of_lengths([7, 26, 15, 3])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    async def main():
+        queues = [worker.submit(i, prompt, params) for i, prompt in enumerate(prompts)]
+        engines = {worker.engine_of(i) for i in range(len(prompts))}
+        return engines, await asyncio.gather(*(collect(q) for q in queues))
+
+    try:
+        engines, results = asyncio.run(main())
+    finally:
+        worker.shutdown()
+    assert engines == {0, 1}
+    assert [tokens for tokens, _ in results] == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
