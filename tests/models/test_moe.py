@@ -291,7 +291,7 @@ def test_greedy_decoding_matches_transformers(decoders, name, engine_settings):
 
 
 @pytest.mark.slow  # tensor-parallel ranks, or interpreted Triton at model scale
-@pytest.mark.parametrize("name", list(DECODERS))
+@pytest.mark.parametrize("name", [name for name in DECODERS if not name.endswith("mxfp4")])  # MXFP4: layer test
 def test_decoder_through_triton_kernels_matches_transformers(decoders, name, monkeypatch):
     """Logits of a cacheless prefill and of paged steps (prompt chunks, then decodes of two sequences) through
     the Triton kernels, interpreted on the CPU, equal transformers' forward."""
