@@ -116,8 +116,10 @@ def load(name: str, path: str, config):
     blocks = worker.stats()["num_total_blocks"]
     kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
     kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
+    engines = f", {config.data_parallel_size} data-parallel engines" if config.data_parallel_size > 1 else ""
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
-             f"{worker.weight_bytes / 2**30:.2f} GiB, max_model_len {worker.max_model_len}{kv_cache}")
+             f"{worker.weight_bytes / 2**30:.2f} GiB{' each' if engines else ''}, max_model_len "
+             f"{worker.max_model_len}{kv_cache}{engines}")
     return worker, tokenizer
 
 
