@@ -119,7 +119,7 @@ class DataParallelWorker:
                 self.local.submit(request_id, prompt_token_ids, params, constraint, tracked, shares_prompt_with)
             else:
                 self.local.core.make_sequence(request_id, prompt_token_ids, params)  # its checks, here (ValueError)
-                self.remotes[engine - 1].submit(request_id, prompt_token_ids, params, tracked)
+                self.remotes[engine - 1].submit(request_id, prompt_token_ids, params, tracked, shares_prompt_with)
             self._engine_of[request_id] = engine
             self.router.started(engine, prompt_token_ids)
         return queue
@@ -205,10 +205,11 @@ class EngineProcess:
         self.last_stats = payload["stats"]
         threading.Thread(target=self._read, name=f"data-parallel-engine-{self.index}", daemon=True).start()
 
-    def submit(self, request_id, prompt_token_ids: list[int], params, queue: _Finishing) -> None:
+    def submit(self, request_id, prompt_token_ids: list[int], params, queue: _Finishing,
+               shares_prompt_with=None) -> None:
         with self._lock:
             self._requests[request_id] = (queue, asyncio.get_running_loop())
-            self.pipe.send(("submit", (request_id, prompt_token_ids, params)))
+            self.pipe.send(("submit", (request_id, prompt_token_ids, params, shares_prompt_with)))
 
     def abort(self, request_id) -> None:
         with self._lock:
@@ -296,9 +297,9 @@ async def serve(worker: Worker, pipe) -> None:
 
     def handle(kind: str, args: tuple) -> None:
         if kind == "submit":
-            request_id, prompt, params = args
+            request_id, prompt, params, shares_prompt_with = args
             try:
-                worker.submit(request_id, prompt, params, queue=outputs)
+                worker.submit(request_id, prompt, params, queue=outputs, shares_prompt_with=shares_prompt_with)
             except (ValueError, RuntimeError) as exc:  # checked by the parent first: only a lost engine
                 outputs.put_nowait(RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0))
         elif kind == "abort":

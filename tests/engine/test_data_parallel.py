@@ -60,19 +60,19 @@ def test_two_engines_answer_concurrent_requests_as_transformers(two_engines, tin
 
 def test_choices_of_one_completion_share_their_engine(two_engines, prompts_of_lengths):
     worker = two_engines
-    busy, prompt = prompts_of_lengths([30, 20])
+    busy, prompt = prompts_of_lengths([30, 40])
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
     async def main():
         queues = [worker.submit("busy", busy, params), worker.submit("c/0", prompt, params)]
         queues.append(worker.submit("c/1", prompt, params, shares_prompt_with="c/0"))
         engines = [worker.engine_of(request_id) for request_id in ("busy", "c/0", "c/1")]
-        await asyncio.gather(*(collect(q) for q in queues))
-        return engines
+        return engines, await asyncio.gather(*(collect(q) for q in queues))
 
-    busy_engine, first_choice, second_choice = asyncio.run(main())
+    (busy_engine, first_choice, second_choice), results = asyncio.run(main())
     assert first_choice != busy_engine  # the least loaded
     assert second_choice == first_choice  # not the least loaded any more, but where its prompt is
+    assert results[2][1].num_cached_tokens == 32  # the first choice's two full prompt blocks, shared there
 
 
 def test_a_lost_engine_fails_its_requests_and_tells_the_handler(two_engines, prompts_of_lengths):
