@@ -46,6 +46,7 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_NUM_KV_BLOCKS, HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS, HFENDPOINT_MODEL_NAME,
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
   HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES,
+  HFENDPOINT_DATA_PARALLEL_SIZE (engines, each on its own HFENDPOINT_TENSOR_PARALLEL_SIZE GPUs; default 1),
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
   HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30)
 EOF

@@ -4,7 +4,6 @@ quickly (Qwen3-30B-A3B: 61 GB), drawn on the GPU at load time."""
 import argparse
 import json
 import os
-import shutil
 
 import torch
 from safetensors import safe_open
@@ -18,6 +17,7 @@ from models.fp8 import FP8_GEMMS
 from models.loader import safetensors_files
 
 FP8_BLOCK = (128, 128)
+MXFP4_SCALE = 120  # 2^-7: random E2M1 codes (root mean square near 3) under it have a std near 0.02
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,24 +45,33 @@ def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, devi
     return out_dir
 
 
-def config_only_model(name: str) -> str:
-    """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load()."""
-    out_dir = f"/tmp/random-{name}-config"
+def config_only_model(name: str, drop_quantization: bool = False) -> str:
+    """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load().
+    drop_quantization: without its quantization_config (gpt-oss's experts in bf16 instead of MXFP4)."""
+    out_dir = f"/tmp/random-{name}-config" + ("-unquantized" if drop_quantization else "")
     os.makedirs(out_dir, exist_ok=True)
-    shutil.copy(os.path.join(HERE, "models", name, "config.json"), os.path.join(out_dir, "config.json"))
+    with open(os.path.join(HERE, "models", name, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if drop_quantization:
+        config.pop("quantization_config", None)
+    _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
 
 
 def draw_weights_at_load(std: float = 0.02) -> None:
     """From now on, loading a safetensors model draws its parameters where they live instead of reading files:
-    norm weights 1, the others normal(0, std) (transformers' initialisation). Tensor-parallel ranks are spawned
+    norm weights 1, the others normal(0, std) (transformers' initialisation); MXFP4 experts random codes
+    under scales of 2^-7, about that std. Tensor-parallel ranks are spawned
     processes that re-import the main script, so a script calls this at import time, not under __main__."""
     import models.loader
 
     @torch.no_grad()
     def draw(model, model_dir):
         for name, param in model.named_parameters():
-            param.fill_(1.0) if "norm" in name else param.normal_(0.0, std)
+            if param.dtype == torch.uint8:
+                param.fill_(MXFP4_SCALE) if name.endswith("_scales") else param.random_(0, 256)
+            else:
+                param.fill_(1.0) if "norm" in name else param.normal_(0.0, std)
 
     models.loader.load_safetensors = draw
 

@@ -40,10 +40,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
     speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix, optionally :k=N (draft tokens)
+    data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "block_size",
-                     "max_embedding_batch_tokens"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
+                     "block_size", "max_embedding_batch_tokens"):
             value = getattr(self, name)
             _check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
         _check("block_size", self.block_size & (self.block_size - 1) == 0, "a power of two (the kernels need it)")
@@ -160,6 +161,7 @@ ENV_NAMES = {
     "max_num_batched_tokens": "HFENDPOINT_MAX_BATCHED_TOKENS",
     "max_num_seqs": "HFENDPOINT_MAX_SEQS",
     "tensor_parallel_size": "HFENDPOINT_TENSOR_PARALLEL_SIZE",
+    "data_parallel_size": "HFENDPOINT_DATA_PARALLEL_SIZE",
     "block_size": "HFENDPOINT_KV_BLOCK_SIZE",
     "cpu_kv_cache_gb": "HFENDPOINT_CPU_KV_CACHE_GB",
     "num_kv_blocks": "HFENDPOINT_NUM_KV_BLOCKS",

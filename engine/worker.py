@@ -57,7 +57,7 @@ class Worker:
         self.config = config
         self.on_fatal = on_fatal
         loaded, self.ranks = load_on_all_ranks(config)
-        self.kind, self.model_dir = loaded.kind, loaded.model_dir
+        self.kind, self.model_dir, self.weight_bytes = loaded.kind, loaded.model_dir, loaded.weight_bytes
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
         if self.kind == "encoder":

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
     reason logged) when loading fails."""
-    from engine import Worker, startup_log
+    from engine import startup_log
+    from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
     log.info(f"loading {name} ({path})")
     started = time.perf_counter()
@@ -111,7 +112,7 @@ def load(name: str, path: str, config):
     try:
         with startup_log.phase("tokenizer"):
             tokenizer = load_tokenizer(path, config.cache_dir)
-        worker = Worker(config, on_fatal=exit_soon)
+        worker = make_worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
@@ -120,8 +121,10 @@ def load(name: str, path: str, config):
     blocks = worker.stats()["num_total_blocks"]
     kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
     kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
-    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-             f"max_model_len {worker.max_model_len}{kv_cache}")
+    engines = f", {config.data_parallel_size} data-parallel engines" if config.data_parallel_size > 1 else ""
+    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
+             f"{worker.weight_bytes / 2**30:.2f} GiB{' each' if engines else ''}, max_model_len "
+             f"{worker.max_model_len}{kv_cache}{engines}")
     return worker, tokenizer
 
 

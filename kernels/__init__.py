@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mxfp4 import Mxfp4Weight
 from kernels.reference import GREEDY_TEMPERATURE, dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
@@ -41,7 +42,7 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "fused_moe",
 )
 __all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "check_kv_scales",
-           "qkv_paged_attention", "dequantize_fp8"]
+           "qkv_paged_attention", "dequantize_fp8", "Mxfp4Weight"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 FP8_KV_CACHE_DTYPE = torch.float8_e4m3fn
@@ -307,14 +308,15 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tupl
     return _backend_of(router_logits).select_experts(router_logits, top_k, renormalize)
 
 
-def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
-              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor | Mxfp4Weight,
+              w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
     """The routed experts' MLPs: out[t] = sum_j topk_weights[t, j] * expert_e(hidden[t]), e = topk_ids[t, j],
     with expert_e(x) = w_down[e] act(w_gate_up[e] x + b_gate_up[e]) + b_down[e]. w_gate_up [E, 2I, H] holds
     the gate rows then the up rows, w_down [E, H, I]; biases optional. activation: "silu" (silu(gate) * up) or
     "clamped_swiglu" (gpt-oss: gate clamped above at swiglu_limit, up within +-swiglu_limit, then
     (up + 1) * gate * sigmoid(swiglu_alpha * gate)). On CUDA the tokens are sorted by expert on the device
-    and each projection is one grouped GEMM launch over all experts (kernels/triton_moe.py)."""
+    and each projection is one grouped GEMM launch over all experts (kernels/triton_moe.py). Either weight
+    may be MXFP4 (kernels/mxfp4.py): the Triton kernels dequantize its tiles in registers."""
     return _backend_of(hidden).fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
                                          activation, swiglu_alpha, swiglu_limit)

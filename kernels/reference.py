@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4
 
 # A temperature below this draws greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by it would overflow
 # them to infinities (1e-40 is a float32 subnormal), and a softmax of infinities is NaN, not the argmax.
@@ -216,19 +217,29 @@ def expert_activation(gate_up: Tensor, activation: str, swiglu_alpha: float, swi
     return (up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)
 
 
-def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
-              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor | Mxfp4Weight,
+              w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
     """The routed experts as a plain loop over experts: each token's k expert outputs weighted and summed in
-    float32. w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H]."""
+    float32. w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H]; an
+    MXFP4 weight is dequantized to hidden's dtype one routed expert at a time."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(w_gate_up.shape[0]):
         tokens, slots = torch.where(topk_ids == expert)
-        gate_up = F.linear(hidden[tokens], w_gate_up[expert], None if b_gate_up is None else b_gate_up[expert])
+        if not len(tokens):
+            continue
+        gate_up = F.linear(hidden[tokens], _expert_weight(w_gate_up, expert, hidden.dtype),
+                           None if b_gate_up is None else b_gate_up[expert])
         y = expert_activation(gate_up, activation, swiglu_alpha, swiglu_limit)
-        y = F.linear(y, w_down[expert], None if b_down is None else b_down[expert])
+        y = F.linear(y, _expert_weight(w_down, expert, hidden.dtype), None if b_down is None else b_down[expert])
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+def _expert_weight(weight: Tensor | Mxfp4Weight, expert: int, dtype: torch.dtype) -> Tensor:
+    if isinstance(weight, Mxfp4Weight):
+        return dequantize_mxfp4(weight.blocks[expert], weight.scales[expert], dtype)
+    return weight[expert]
 
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:

@@ -72,7 +72,10 @@ def fp8_format(hf_config, method: str = "scaled_mm") -> Fp8Format | None:
         return _finegrained_format(quant, method)
     if kind == "compressed-tensors":
         return _compressed_tensors_format(quant, method)
-    if kind == "mxfp4":  # gpt-oss: only its experts, dequantized at load by models/moe.py
+    if kind == "mxfp4":  # gpt-oss: only its experts, kept in MXFP4 by models/moe.py
+        if getattr(hf_config, "model_type", None) != "gpt_oss":
+            raise ValueError(f"quantization_config.quant_method 'mxfp4' is supported for gpt-oss's experts only (the "
+                             f"format transformers defines), not for model type {hf_config.model_type!r}")
         return None
     raise ValueError(f"quantization_config.quant_method {kind!r} is not supported (supported: 'fp8' and "
                      "'compressed-tensors' with FP8 weights)")

@@ -25,6 +25,12 @@ class LoadedModel:
     kind: str  # "decoder" | "encoder"
     model_dir: str
 
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of this process's parameters (with tensor parallelism, its rank's share), as stored:
+        FP8 and MXFP4 weights at their packed size."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):

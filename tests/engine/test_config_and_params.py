@@ -17,6 +17,7 @@ def test_from_env_reads_every_variable():
     config = EngineConfig.from_env("/m", env)
     assert config == EngineConfig("/m", 2048, 0.5, True, 1024, 8, 1, 32, 0.25, 64, "bfloat16", "cpu", 4096)
     assert EngineConfig.from_env("/m", {}) == EngineConfig("/m")
+    assert EngineConfig.from_env("/m", {"HFENDPOINT_DATA_PARALLEL_SIZE": "4"}).data_parallel_size == 4
 
 
 @pytest.mark.parametrize("name, value", [
@@ -24,7 +25,7 @@ def test_from_env_reads_every_variable():
     ("HFENDPOINT_GPU_MEMORY_UTILIZATION", "1.5"), ("HFENDPOINT_GPU_MEMORY_UTILIZATION", "x"),
     ("HFENDPOINT_ENFORCE_EAGER", "maybe"), ("HFENDPOINT_MAX_SEQS", "-3"), ("HFENDPOINT_KV_BLOCK_SIZE", "24"),
     ("HFENDPOINT_CPU_KV_CACHE_GB", "0"), ("HFENDPOINT_NUM_KV_BLOCKS", "0"), ("HFENDPOINT_DTYPE", "int8"),
-    ("HFENDPOINT_DEVICE", "tpu"), ("HFENDPOINT_MAX_BATCHED_TOKENS", "1.5"),
+    ("HFENDPOINT_DEVICE", "tpu"), ("HFENDPOINT_MAX_BATCHED_TOKENS", "1.5"), ("HFENDPOINT_DATA_PARALLEL_SIZE", "0"),
 ])
 def test_from_env_names_the_bad_variable(name, value):
     with pytest.raises(ValueError, match=name):

@@ -149,6 +149,7 @@ def test_tensor_parallel_size_that_splits_blocks_is_refused():
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
      r"config_groups.weights = \"type 'int', num_bits 4\""),
+    ({"quant_method": "mxfp4"}, "'mxfp4' is supported for gpt-oss's experts only.*not for model type 'llama'"),
 ])
 def test_unsupported_quantization_is_named(quantization, message):
     config = CONFIGS["llama-gqa"]()
