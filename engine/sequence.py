@@ -18,15 +18,17 @@ class Sequence:
     constraint: an opaque object that says which tokens may come next (engine/constraints.py); it accepts
     each token the request takes, once, and the request ends ("stop") when it terminates. shares_prompt_with:
     another request with the same prompt, whose computed prompt blocks this one takes from the prefix cache
-    (it is admitted once that one's prompt is computed)."""
+    (it is admitted once that one's prompt is computed). images: the prompt's images, placed
+    (engine/images.py)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
-                 "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs")
+                 "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
+                 "images")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
-                 shares_prompt_with: "Sequence | None" = None):
+                 shares_prompt_with: "Sequence | None" = None, images: list | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -47,6 +49,7 @@ class Sequence:
         self.constraint = constraint
         self.shares_prompt_with = shares_prompt_with
         self.logprobs: list[tuple[float, list[int], list[float]]] = []  # per output token, when params ask
+        self.images = images or []
 
     def __len__(self) -> int:
         return len(self.token_ids)
