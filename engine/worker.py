@@ -57,6 +57,7 @@ class Worker:
         self.kind, self.model_dir = loaded.kind, loaded.model_dir
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
+        self.reads_images = loaded.vision is not None  # submit() takes a prompt's images (engine/images.py)
         if self.kind == "encoder":
             self.core, self.embedder = None, Embedder.for_encoder(config, loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len

@@ -18,7 +18,8 @@ from random_decoders import TINY
 BOI, EOI, IMAGE = 381, 382, 383  # <start_of_image>, <end_of_image>, the soft token's placeholder
 TOKENS_PER_IMAGE = 4
 IMAGE_SIZE = 56  # 4 x 4 patches of 14, pooled 2 x 2 into the 4 soft tokens
-SPECIAL = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE, "<eos>": 1, "<pad>": 0}
+SPECIAL = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE, "<eos>": 1, "[UNK]": 0}
+TEMPLATE_WORDS = {"<start_of_turn>": 2, "<end_of_turn>": 3, "user": 4, "model": 5, "system": 6, "assistant": 7}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<start_of_turn> {{ m.role }} "
     "{% if m.content is string %}{{ m.content }}{% else %}{% for part in m.content %}"
@@ -55,14 +56,16 @@ def save_gemma3_vision(path) -> Gemma3ForConditionalGeneration:
 
 
 def save_processor(path) -> Gemma3Processor:
-    """A word-level tokenizer over the tiny vocabulary (word i is "w{i}"), the Gemma 3 image tokens as special
-    tokens, a chat template that places an image part as <start_of_image>, and the Gemma 3 processor (its image
-    processor at the tower's resolution), saved under `path`."""
-    vocab = {f"w{i}": i for i in range(TINY["vocab_size"])} | SPECIAL
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    """A word-level tokenizer over the tiny vocabulary (word i is "w{i}", but for the template's words), the
+    Gemma 3 image tokens as special tokens, a chat template that places an image part as <start_of_image>, and
+    the Gemma 3 processor (its image processor at the tower's resolution), saved under `path`."""
+    words = {**SPECIAL, **TEMPLATE_WORDS}
+    taken = set(words.values())
+    vocab = {f"w{i}": i for i in range(TINY["vocab_size"]) if i not in taken} | words
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", chat_template=CHAT_TEMPLATE,
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
