@@ -80,7 +80,7 @@ def test_data_url_and_http_url_images_are_answered(served):
     data_url = f"data:image/png;base64,{base64.b64encode(SMALL).decode()}"
     for url in (data_url, f"{images}/small.png"):
         reply = ask(front, url)
-        assert reply.choices[0].message.content == text
+        assert reply.choices[0].message.content.split() == text.split()  # words: one token each
         assert reply.usage.prompt_tokens == prompt_tokens
 
 
