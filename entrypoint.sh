@@ -43,7 +43,9 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
   HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE,
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
-  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30)
+  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30),
+  HFENDPOINT_IMAGE_MAX_BYTES, HFENDPOINT_IMAGE_MAX_PIXELS, HFENDPOINT_IMAGE_FETCH_TIMEOUT,
+  HFENDPOINT_MAX_IMAGES_PER_REQUEST, HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS (images in chat)
 EOF
 }
 

@@ -17,6 +17,7 @@ import base64
 import binascii
 import io
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ MAX_REDIRECTS = 5
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 READ_CHUNK_BYTES = 1 << 16
 ALLOWED_NETWORKS_VARIABLE = "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -222,10 +225,16 @@ class VisionPrompt:
         self.max_pixels = max_pixels
 
     @classmethod
-    def load(cls, model_dir: str, max_pixels: int) -> "VisionPrompt":
+    def load(cls, model_dir: str, max_pixels: int) -> "VisionPrompt | None":
+        """None, logged, when the model directory's processor cannot prepare images: its text is served alone."""
         from transformers import AutoProcessor
 
-        return cls(AutoProcessor.from_pretrained(model_dir), max_pixels)
+        try:
+            return cls(AutoProcessor.from_pretrained(model_dir), max_pixels)
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("images are refused: the model's processor (processor_config.json, "
+                        "preprocessor_config.json) cannot prepare them: %s", exc)
+            return None
 
     def expand(self, prompt: str, num_images: int) -> str:
         """The rendered prompt with each image marker replaced by the processor's expansion; the template must

@@ -44,28 +44,23 @@ def _boolean(env, name: str, default: bool) -> bool:
 
 
 def _seconds(env, name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"{name}={raw!r} is invalid: expected a number of seconds >= 0")
-    return value
+    return _number(env, name, default, float, lambda value: 0 <= value < float("inf"), "a number of seconds >= 0")
 
 
 def _count(env, name: str, default: int, minimum: int = 1) -> int:
+    return _number(env, name, default, int, lambda value: value >= minimum, f"an integer >= {minimum}")
+
+
+def _number(env, name: str, default, parse, valid, expected: str):
     raw = env.get(name)
     if raw is None:
         return default
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name}={raw!r} is invalid: expected an integer >= {minimum}")
+        value = None
+    if value is None or not valid(value):
+        raise ValueError(f"{name}={raw!r} is invalid: expected {expected}")
     return value
 
 

@@ -33,6 +33,12 @@ def prompts(prompts_of_lengths):
     return [(image_prompt(first, 10), [0]), (image_prompt(second, 3, 15), [1, 2])]
 
 
+@pytest.fixture(scope="module")
+def expected(checkpoint, pixels, prompts):
+    """transformers' greedy tokens and their log-probabilities for each prompt."""
+    return [greedy_with_images(checkpoint[1], prompt, pixels[indices], NEW) for prompt, indices in prompts]
+
+
 def engine_images(pixels, indices) -> list[PromptImage]:
     return [PromptImage.of_pixels(pixels[i]) for i in indices]
 
@@ -62,10 +68,8 @@ def test_image_encoder_equals_transformers(checkpoint, pixels):
     {"max_num_batched_tokens": 6},  # chunks of 6 would end inside every image: they stop before it instead
     {"num_kv_blocks": 6, "block_size": 16},  # both prompts fit, not both as they grow: one is preempted
 ])
-def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, engine):
-    path, reference = checkpoint
-    expected = [greedy_with_images(reference, prompt, pixels[indices], NEW) for prompt, indices in prompts]
-    llm = LLM(path, dtype="float32", **engine)
+def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, expected, engine):
+    llm = LLM(checkpoint[0], dtype="float32", **engine)
     for got, want in zip(outputs(llm, prompts, pixels), expected):
         assert_same(got, want)
     if "num_kv_blocks" in engine:
@@ -73,18 +77,20 @@ def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, en
     assert llm.core.block_manager.num_free_blocks == llm.core.runner.num_blocks
 
 
-def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, prompts):
+def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, prompts, expected):
     """Blocks of 4: the two blocks before the image (at 11..14) are shared; from the image's block on, only the
     same image hits."""
     path, reference = checkpoint
     llm = LLM(path, dtype="float32", block_size=4)
     prompt, _ = prompts[0]
     manager = llm.core.block_manager
-    for indices, expected_hits in (([0], 0), ([1], 8), ([0], (len(prompt) - 1) // 4 * 4)):
+    other_image = greedy_with_images(reference, prompt, pixels[[1]], NEW)
+    for indices, expected_hits, want in (([0], 0, expected[0]), ([1], 8, other_image),
+                                         ([0], (len(prompt) - 1) // 4 * 4, expected[0])):
         hits = manager.num_hit_tokens
         (got,) = outputs(llm, [(prompt, indices)], pixels)
         assert manager.num_hit_tokens - hits == expected_hits
-        assert_same(got, greedy_with_images(reference, prompt, pixels[indices], NEW))
+        assert_same(got, want)
 
 
 def test_chunks_stop_before_an_image_or_take_all_of_it():
