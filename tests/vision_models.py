@@ -3,15 +3,7 @@ chat template and the model's processor files, and transformers' greedy decoding
 the engine and handler tests; tests/ is on the import path)."""
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
-    Gemma3ImageProcessorPil,
-    Gemma3Processor,
-    Gemma3TextConfig,
-    PreTrainedTokenizerFast,
-    SiglipVisionConfig,
-)
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
 from random_decoders import TINY
 
@@ -55,10 +47,13 @@ def save_gemma3_vision(path) -> Gemma3ForConditionalGeneration:
     return model.eval()
 
 
-def save_processor(path) -> Gemma3Processor:
+def save_processor(path):
     """A word-level tokenizer over the tiny vocabulary (word i is "w{i}", but for the template's words), the
     Gemma 3 image tokens as special tokens, a chat template that places an image part as <start_of_image>, and
     the Gemma 3 processor (its image processor at the tower's resolution), saved under `path`."""
+    # Imported here: the engine tests use this module without a processor, also where transformers is older
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
     words = {**SPECIAL, **TEMPLATE_WORDS}
     taken = set(words.values())
     vocab = {f"w{i}": i for i in range(TINY["vocab_size"]) if i not in taken} | words
