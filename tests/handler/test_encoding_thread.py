@@ -183,7 +183,7 @@ def test_cancelled_while_encoding_never_reaches_the_engine(service, monkeypatch)
     encoded = threading.Event()
     parse = handler.service.parse_chat_request
     monkeypatch.setattr(handler.service, "parse_chat_request",
-                        lambda data, chat_model: (parse(data, chat_model), encoded.set())[0])
+                        lambda data, chat_model, images=(): (parse(data, chat_model, images), encoded.set())[0])
 
     async def scenario():
         task = asyncio.ensure_future(completion(service, chat("block")))
