@@ -124,7 +124,8 @@ def test_a_host_name_resolving_to_loopback_is_refused():
 
 def test_fetches_within_limits_and_checks_every_redirect():
     """A loopback server (its network allowed) serves an image, a redirect to it, and a redirect to a private
-    address, which is refused; a body over the byte limit is refused while it is read."""
+    address, which is refused; a body over the byte limit is refused while it is read; a missing image, a
+    closed port and a server slower than the fetch timeout are refused naming the part."""
     image = png(20, 20)
 
     async def serve(request):
@@ -135,9 +136,14 @@ def test_fetches_within_limits_and_checks_every_redirect():
             raise web.HTTPFound(to)
         return answer
 
+    async def slow(request):
+        await asyncio.sleep(1)
+        return await serve(request)
+
     async def run() -> list:
         app = web.Application()
         app.router.add_get("/a.png", serve)
+        app.router.add_get("/slow.png", slow)
         app.router.add_get("/hop", redirect("/a.png"))
         app.router.add_get("/away", redirect("http://10.0.0.1/a.png"))
         runner = web.AppRunner(app)
@@ -147,18 +153,24 @@ def test_fetches_within_limits_and_checks_every_redirect():
         base = f"http://127.0.0.1:{runner.addresses[0][1]}"
         fetcher = ImageFetcher(HandlerSettings(image_url_allowed_networks=LOOPBACK))
         small = ImageFetcher(HandlerSettings(image_url_allowed_networks=LOOPBACK, image_max_bytes=len(image) - 1))
+        hasty = ImageFetcher(HandlerSettings(image_url_allowed_networks=LOOPBACK, image_fetch_timeout=0.2))
         results = []
-        for chosen, path in ((fetcher, "/a.png"), (fetcher, "/hop"), (fetcher, "/away"), (small, "/a.png"),
-                             (ImageFetcher(HandlerSettings()), "/a.png")):
+        for chosen, url in ((fetcher, base + "/a.png"), (fetcher, base + "/hop"), (fetcher, base + "/away"),
+                            (small, base + "/a.png"), (ImageFetcher(HandlerSettings()), base + "/a.png"),
+                            (fetcher, base + "/missing.png"), (fetcher, "http://127.0.0.1:1/a.png"),
+                            (hasty, base + "/slow.png")):
             try:
-                results.append((await chosen.gather(chat(image_part(base + path))))[0].data)
+                results.append((await chosen.gather(chat(image_part(url))))[0].data)
             except RequestError as exc:
                 results.append(str(exc))
         await runner.cleanup()
         return results
 
-    direct, redirected, away, too_big, default = asyncio.run(run())
+    direct, redirected, away, too_big, default, missing, unreachable, slow_one = asyncio.run(run())
     assert direct == redirected == image
     assert "10.0.0.1 is not a public address" in away
     assert "larger than HFENDPOINT_IMAGE_MAX_BYTES" in too_big
     assert "127.0.0.1 is not a public address" in default
+    assert "answered HTTP 404" in missing
+    assert "took longer than HFENDPOINT_IMAGE_FETCH_TIMEOUT=0.2 s" in slow_one
+    assert unreachable.startswith("messages[0].content[0].image_url: could not fetch http://127.0.0.1:1/a.png")
