@@ -48,7 +48,9 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES,
   HFENDPOINT_DATA_PARALLEL_SIZE (engines, each on its own HFENDPOINT_TENSOR_PARALLEL_SIZE GPUs; default 1),
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
-  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30)
+  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30),
+  HFENDPOINT_IMAGE_MAX_BYTES, HFENDPOINT_IMAGE_MAX_PIXELS, HFENDPOINT_IMAGE_FETCH_TIMEOUT,
+  HFENDPOINT_MAX_IMAGES_PER_REQUEST, HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS (images in chat)
 EOF
 }
 

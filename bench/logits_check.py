@@ -39,14 +39,15 @@ class TeacherForcing:
         return torch.tensor([self.tokens[len(seq)]], device=logits.device), None
 
 
-def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
+def engine_logits(llm, tokens: list[int], prompt_len: int, images=()) -> torch.Tensor:
+    """images: the prompt's (engine/images.py's PromptImage), for a model that reads images."""
     core = llm.core
     core.overlap = False  # the forcing sampler reads each request's tokens when it samples
     forcing = TeacherForcing(tokens, core.runner.sampler)
     sampler, core.runner.sampler = core.runner.sampler, forcing
     try:
         seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
-            temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))
+            temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len), images=images)
         core.add(seq)
         while core.has_work():
             core.step()

@@ -2,8 +2,9 @@
 
 Only metadata lives here; the KV tensors are indexed by block id in the model runner. A full block is
 identified by an xxhash of its tokens chained on its parent block's hash, so equal hashes mean equal
-prefixes. Freed blocks keep their hash and contents and join the back of the free queue: a later request
-with the same prefix takes them back (a hit) until allocation reaches them at the front (eviction).
+prefixes; a block from a prompt's first image on also hashes the content of its images. Freed blocks keep
+their hash and contents and join the back of the free queue: a later request with the same prefix takes them
+back (a hit) until allocation reaches them at the front (eviction).
 
 With a sliding window on every layer (`window` > 0), a query at position q reads only keys q - window < p <= q,
 so a running request's blocks that lie wholly before the window of its next token are freed as it advances
@@ -13,6 +14,7 @@ blocks inside the window of the first token it computes to be cached: the earlie
 import numpy as np
 import xxhash
 
+from engine.images import image_keys
 from engine.sequence import Sequence
 
 
@@ -72,8 +74,13 @@ class FreeBlockQueue:
         return block
 
 
-def hash_block(parent_hash: int, token_ids: list[int]) -> int:
-    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=parent_hash)
+def hash_block(parent_hash: int, token_ids: list[int], image_keys: list[int] = ()) -> int:
+    """image_keys: the content hashes of the images whose soft tokens the block's keys depend on
+    (engine/images.py), after its tokens."""
+    values = np.asarray(token_ids, dtype=np.int64).tobytes()
+    if image_keys:
+        values += np.asarray(image_keys, dtype=np.uint64).tobytes()
+    return xxhash.xxh3_64_intdigest(values, seed=parent_hash)
 
 
 FREED = -1  # a block-table entry whose block was freed (out of the window): never read
@@ -112,7 +119,8 @@ class BlockManager:
         size = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else 0
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size]))
+            keys = image_keys(seq.images, (i + 1) * size) if seq.images else ()
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size], keys))
         return seq.block_hashes
 
     def num_out_of_window(self, num_tokens: int) -> int:

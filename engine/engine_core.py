@@ -7,6 +7,7 @@ from torch import Tensor
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedding import Embedder
+from engine.images import PromptImage, place_images
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -33,6 +34,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.runner.model.kv_window)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
         self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs)
@@ -54,13 +56,34 @@ class EngineCore:
                              f"[0, {self.runner.vocab_size})")
 
     def make_sequence(self, request_id, prompt_token_ids: list[int], params, constraint=None,
-                      shares_prompt_with: Sequence | None = None) -> Sequence:
+                      shares_prompt_with: Sequence | None = None, images: list[PromptImage] = ()) -> Sequence:
         """constraint: what tokens the request may take (engine/constraints.py); shares_prompt_with: a request
         with the same prompt (n choices of one completion), whose prompt blocks this one takes from the prefix
-        cache once they are computed."""
+        cache once they are computed. images: the prompt's images, in the order of their runs of image tokens
+        (engine/images.py); an image belongs to one prompt (the choices of one request share it, and its soft
+        tokens, computed once)."""
         self.check_prompt(prompt_token_ids)
+        images = list(images)
+        self.check_images(prompt_token_ids, images)
         return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids, constraint,
-                        shares_prompt_with)
+                        shares_prompt_with, images)
+
+    def check_images(self, prompt_token_ids: list[int], images: list[PromptImage]) -> None:
+        """Places the images on their runs of image tokens; ValueError when the model reads no images, or they
+        and the prompt do not match, or a pixel tensor is not the encoder's shape."""
+        vision = self.runner.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"model {self.model} does not read images (served as a text model)")
+            return
+        for i, image in enumerate(images):
+            if image.pixel_values is not None and tuple(image.pixel_values.shape) != vision.pixel_shape:
+                raise ValueError(f"image {i} has pixel values of shape {tuple(image.pixel_values.shape)}; the "
+                                 f"image encoder takes {vision.pixel_shape}")
+        place_images(prompt_token_ids, images, vision.image_token_id, vision.tokens_per_image)
+        if images and vision.tokens_per_image > self.max_num_batched_tokens:
+            raise ValueError(f"an image is {vision.tokens_per_image} tokens, more than the step budget "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: raise it to serve images")
 
     def add(self, seq: Sequence) -> None:
         """Queues a request made by make_sequence; step() computes it."""

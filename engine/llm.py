@@ -35,18 +35,22 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False, constraints: list | None = None) -> list[dict]:
+                 progress: bool = False, constraints: list | None = None, images: list | None = None
+                 ) -> list[dict]:
         """Runs every prompt to completion; returns [{"text", "token_ids", "logprobs"}] in prompt order (text is
         None for a model without a tokenizer; logprobs, per token, where the params ask). constraints: one per
-        prompt (or None), engine/constraints.py."""
+        prompt (or None), engine/constraints.py. images: per prompt, its images (engine/images.py's
+        PromptImage, in the order of their runs of image tokens), for a model that reads images."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         constraints = constraints or [None] * len(prompts)
-        if not len(sampling_params) == len(constraints) == len(prompts):
-            raise ValueError(f"{len(prompts)} prompts, {len(sampling_params)} sampling params and "
-                             f"{len(constraints)} constraints")
-        seqs = [self.core.make_sequence(i, self._encode(prompt), params, constraint)
-                for i, (prompt, params, constraint) in enumerate(zip(prompts, sampling_params, constraints))]
+        images = images or [()] * len(prompts)
+        if not len(sampling_params) == len(constraints) == len(images) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, {len(sampling_params)} sampling params, "
+                             f"{len(constraints)} constraints and {len(images)} image lists")
+        seqs = [self.core.make_sequence(i, self._encode(prompt), params, constraint, images=prompt_images)
+                for i, (prompt, params, constraint, prompt_images)
+                in enumerate(zip(prompts, sampling_params, constraints, images))]
         for seq in seqs:
             self.core.add(seq)
         done, started = 0, time.perf_counter()

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.constraints import TokenMasks
 from engine.cuda_graphs import CudaGraphs
 from engine.embedding import forward_decoder
+from engine.images import StepImages, step_images
 from engine.kv_cache import allocate_kv_cache
 from engine.sampler import Sampler
 from engine.sampling_params import MAX_LOGPROBS
@@ -85,6 +86,7 @@ class ModelRunner:
         TensorParallelRanks), which run every call that goes through collective(); None otherwise."""
         self.config, self.ranks = config, ranks
         self.model = loaded.model
+        self.vision = loaded.vision  # a multimodal model's image encoder (engine/images.py), or None
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
@@ -166,7 +168,9 @@ class ModelRunner:
         as_rows = ahead is None and self.buffers.verifies_as_rows(seqs, num_tokens)
         staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens, as_rows), ahead, follows,
                                     as_rows)
-        logits = self.collective("execute", staged)
+        images = self._step_images(seqs, num_tokens, ahead) if self.vision is not None and not staged.is_decode \
+            else None
+        logits = self.collective("execute", staged, images)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
@@ -286,10 +290,17 @@ class ModelRunner:
         ready.record()
         return id_buffer, logprob_buffer if logprobs is not None else None, ready
 
+    def _step_images(self, seqs: list[Sequence], num_tokens: list[int], ahead: list[int] | None
+                     ) -> StepImages | None:
+        """The soft tokens of the images a prefill step computes (their encoder runs now, once per image)."""
+        starts = [seq.num_computed_tokens + (ahead[i] if ahead else 0) for i, seq in enumerate(seqs)]
+        return step_images(seqs, starts, num_tokens, self.vision)
+
     @torch.inference_mode()
-    def execute(self, staged: StagedStep) -> Tensor | None:
+    def execute(self, staged: StagedStep, images: StepImages | None = None) -> Tensor | None:
         """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay),
-        and the logits of the rows that sample (on rank 0; None elsewhere and when no row samples)."""
+        and the logits of the rows that sample (on rank 0; None elsewhere and when no row samples). images: the
+        step's image rows (only a single-rank engine has an image encoder)."""
         if not self.is_driver:
             self.buffers.restage(staged)
         step = self.buffers.upload(staged)
@@ -297,6 +308,9 @@ class ModelRunner:
             self._take_sampled_ids(step.input_ids[:staged.num_follows])
         if staged.graph:
             hidden = self.graphs.replay(staged.graph)
+        elif images is not None:
+            step.meta.image_spans = images.spans
+            hidden = self.model(step.input_ids, step.positions, step.meta, (images.rows, images.embeds))
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
         return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None

@@ -2,12 +2,15 @@
 
 Running requests first (oldest first), then waiting ones, under one token budget and a cap on running
 requests. Blocks are allocated for exactly the tokens a step computes; when they run out, the newest
-running request is preempted (blocks freed, back to the front of the waiting queue, recomputed later).
+running request is preempted (blocks freed, back to the front of the waiting queue, recomputed later). A
+prompt chunk never ends inside an image (engine/images.py): a request whose image does not fit the budget left
+waits for the next step.
 """
 from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.images import fit_chunk
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -34,7 +37,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(len(seq.token_ids) + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
+            n = fit_chunk(seq.images, seq.num_computed_tokens,
+                          min(len(seq.token_ids) + len(seq.draft_token_ids) - seq.num_computed_tokens, budget))
+            if not n:  # the rest of an image does not fit this step
+                i += 1
+                continue
             del seq.draft_token_ids[max(n - 1, 0):]  # the budget cuts the draft short
             while not self.block_manager.allocate(seq, n):
                 if seq.draft_token_ids:  # drafts never preempt a request: verify none this step
@@ -65,8 +72,8 @@ class Scheduler:
                 break
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
-            n = min(len(seq) - num_cached, budget)
-            if not self.block_manager.allocate(seq, n, cached_prefix):
+            n = fit_chunk(seq.images, num_cached, min(len(seq) - num_cached, budget))
+            if not n or not self.block_manager.allocate(seq, n, cached_prefix):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -112,7 +119,10 @@ class Scheduler:
             if not budget:
                 break
             n_flying = flying.get(id(seq), 0)
-            n = min(len(seq) - seq.num_computed_tokens - n_flying, budget)
+            start = seq.num_computed_tokens + n_flying
+            n = fit_chunk(seq.images, start, min(len(seq) - start, budget))
+            if not n:
+                continue
             if not self.block_manager.allocate(seq, n_flying + n):
                 return None
             seqs.append(seq)

@@ -60,6 +60,7 @@ class Worker:
         self.kind, self.model_dir, self.weight_bytes = loaded.kind, loaded.model_dir, loaded.weight_bytes
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
+        self.reads_images = loaded.vision is not None  # submit() takes a prompt's images (engine/images.py)
         if self.kind == "encoder":
             self.core, self.embedder = None, Embedder.for_encoder(config, loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
@@ -84,16 +85,16 @@ class Worker:
     # ---- called from the event loop (any thread) ------------------------------------------------
 
     def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams, constraint=None,
-               queue: asyncio.Queue | None = None, shares_prompt_with=None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, shares_prompt_with=None, images=()) -> asyncio.Queue:
         """Queues a generation request; its outputs arrive on the returned queue (`queue` when given: requests
         may share one, their outputs told apart by request_id). constraint: engine/constraints.py.
         shares_prompt_with: the id of a request in flight with the same prompt, whose prompt blocks this one
-        takes from the prefix cache. Bad input -> ValueError."""
+        takes from the prefix cache. images: the prompt's (engine/images.py's PromptImage). Bad input -> ValueError."""
         if self.core is None:
             raise ValueError(f"model {self.config.model} is an embedding model: it serves embeddings only")
         with self._cond:
             leader = self._requests.get(shares_prompt_with) if shares_prompt_with is not None else None
-        seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq)
+        seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq, images)
         request = _Request(seq, asyncio.Queue() if queue is None else queue, asyncio.get_running_loop())
         with self._cond:
             self._check_running()

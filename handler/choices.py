@@ -46,7 +46,7 @@ class ChatReplies:
                 choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
                 worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
                               constraint=choice.constraint, queue=queue,
-                              shares_prompt_with=f"{request_id}/0" if index else None)
+                              shares_prompt_with=f"{request_id}/0" if index else None, images=request.images)
                 choices[choice_id] = choice
             while any(choice.finish_reason is None for choice in choices.values()):
                 batch = [await queue.get()]

@@ -175,7 +175,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
     _check_window_and_sinks(window, sinks, q.shape[1], causal=True)
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+    return _paged_attention_of(_backend_of(q), meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale,
+                                                     v_scale)
 
 
 def varlen_attention(
@@ -285,7 +286,17 @@ def qkv_paged_attention(
                                     v_scale=v_scale)
     q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
                            eps, k_cache, v_cache, meta.slot_mapping, False, k_scale, v_scale)
-    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+    return _paged_attention_of(backend, meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+
+
+def _paged_attention_of(backend: SimpleNamespace, meta: AttentionMetadata):
+    """The backend's paged attention, or the torch one (on any device) for a step with image spans, which no
+    kernel of ours masks: such steps are prefills of prompts with images, rare beside the rest."""
+    if meta.image_spans is None:
+        return backend.paged_attention
+    from kernels import reference
+
+    return reference.paged_attention
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:

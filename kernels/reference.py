@@ -44,11 +44,15 @@ def _dequantized(cached: Tensor, scale: Tensor | None) -> Tensor:
     return cached.float() * scale[:, None] if cached.dtype == FP8 else cached
 
 
-def _visible(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+def _visible(q_pos: Tensor, k_pos: Tensor, window: int, spans: Tensor | None = None) -> Tensor:
     """[..., Lq, Lk] bool from query positions [..., Lq] and key positions [..., Lk]: a query at q sees the key at
-    p when p <= q and, with a window, q - window < p (the last `window` positions, its own included)."""
+    p when p <= q and, with a window, q - window < p (the last `window` positions, its own included). spans
+    [..., Lq, 2]: each query also sees the keys start <= p < end of its span, within the window (transformers'
+    Gemma 3 image tokens: (causal or same image) and window)."""
     q_pos, k_pos = q_pos[..., :, None], k_pos[..., None, :]
     visible = k_pos <= q_pos
+    if spans is not None:
+        visible = visible | ((k_pos >= spans[..., :1]) & (k_pos < spans[..., 1:]))
     return visible & (k_pos > q_pos - window) if window else visible
 
 
@@ -106,7 +110,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
                     v_scale: Tensor | None = None) -> Tensor:
     """Causal attention of the step's queries [T, n_q, D] over each sequence's cached keys and values; with a
     window, a query at position q sees keys q - window < p <= q only (blocks before them are never read). An
-    FP8 cache's keys and values are read times k_scale and v_scale.
+    FP8 cache's keys and values are read times k_scale and v_scale. meta.image_spans widens what prefill queries
+    see (a one-token chunk's span ends at its own position, so causal covers it).
 
     Decode tokens (one query per sequence) are batched together, padding keys to the longest context;
     prefill chunks run one sequence at a time so no [T, T] score matrix spans unrelated sequences.
@@ -138,7 +143,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             k, k_pos = _gather_blocks(k_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
             v, _ = _gather_blocks(v_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
             k, v = _dequantized(k, k_scale), _dequantized(v, v_scale)
-            mask = _visible(q_pos, k_pos[0], window)[None]
+            spans = None if meta.image_spans is None else meta.image_spans[start : start + n]
+            mask = _visible(q_pos, k_pos[0], window, spans)[None]
             out[start : start + n] = _attend(q[None, start : start + n], k, v, scale, mask, sinks)[0]
     return out
 
