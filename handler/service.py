@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from daemon_protocol import RequestError
 from engine import Worker
-from handler.chat import ChatModel, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
+from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
 from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
@@ -51,11 +51,15 @@ class Service:
         # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
         # This one is only copied from, by each encoding thread as it starts.
         encoding_tokenizer = copy.deepcopy(tokenizer)
-        grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
+        self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder"
+                                    else None)
+        if grammars is not None and grammars.can_constrain:
+            grammars.start_compilers()
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
                                     max_chars_per_token=max_chars_per_token(tokenizer),
-                                    trust_request_chat_template=settings.trust_request_chat_template)
+                                    trust_request_chat_template=settings.trust_request_chat_template,
+                                    limits=settings.limits)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
         self._encoder_state = threading.local()
         self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
@@ -88,10 +92,20 @@ class Service:
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
             request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model))
+            request = await self.with_grammar(request)
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
             async for chunk in self.replies.stream(self.worker, request, request_id, log):
                 yield chunk
+
+    async def with_grammar(self, request: ChatRequest) -> ChatRequest:
+        """The request with its schema's grammar compiled (handler/grammar.py), if it has a schema."""
+        plan = request.output
+        if plan is None or plan.schema is None:
+            return request
+        grammar = await self.grammars.compile_json_schema(plan.schema, plan.schema_field,
+                                                          self.chat_model.limits.grammar_compile_timeout)
+        return dataclasses.replace(request, output=dataclasses.replace(plan, grammar=grammar))
 
     async def tokenize(self, data):
         """Token ids of each input string; longer than the model's embedding limit is an error unless

@@ -1,5 +1,7 @@
 """The reply features of a chat request: tools in the template, grammars, logprobs, n, logit_bias, and their errors."""
+import asyncio
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +11,7 @@ from handler.chat import ChatModel, RequestError, parse_chat_request
 from handler.grammar import Grammars
 
 MAX_MODEL_LEN = 256
+COMPILE_TIMEOUT_S = 60.0
 HERMES_TEMPLATE = (
     "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -43,7 +46,13 @@ def hermes(smollm2_tokenizer, grammars):
 
 
 def parse(model, **fields):
-    return parse_chat_request({"messages": ASK, **fields}, model)
+    """The parsed request with its grammar compiled, as the service does (handler/service.py)."""
+    request = parse_chat_request({"messages": ASK, **fields}, model)
+    plan = request.output
+    if plan.schema is None:
+        return request
+    grammar = asyncio.run(model.grammars.compile_json_schema(plan.schema, plan.schema_field, COMPILE_TIMEOUT_S))
+    return dataclasses.replace(request, output=dataclasses.replace(plan, grammar=grammar))
 
 
 def prompt(model, request):
