@@ -9,6 +9,8 @@ import logging
 import re
 import threading
 
+from daemon_protocol.log import is_power_of_ten
+
 KIND_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: |'[^']*'|\"[^\"]*\"|\d+")
 MAX_KIND_CHARS = 200
 MAX_KINDS = 1000  # distinct kinds remembered; past it every new one counts as "other"
@@ -55,13 +57,6 @@ class LibraryWarnings:
                 return is_power_of_ten(count)
 
         return OncePerKind()
-
-
-def is_power_of_ten(count: int) -> bool:
-    """1, 10, 100, ...: the counts at which a kind of warning is logged."""
-    while count % 10 == 0:
-        count //= 10
-    return count == 1
 
 
 library_warnings = LibraryWarnings()  # one per process: the libraries' warnings are the process's

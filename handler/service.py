@@ -29,6 +29,8 @@ from handler.tokenizer import embedding_token_ids
 
 ENCODER_THREADS = 4  # requests encoded at once
 ENCODER_START_TIMEOUT_S = 60.0
+FALLBACK_CHARS_PER_TOKEN = 64  # for tokenizers that give no bound (handler/chat.py max_chars_per_token)
+TRUNCATION_MARGIN = 2  # a truncated text's end tokenized: this many times what its kept tokens can span
 
 
 class EngineUnavailable(RuntimeError):
@@ -43,6 +45,7 @@ class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
                  engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
         settings = settings or HandlerSettings()
+        self.auto_truncate = settings.auto_truncate
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
@@ -120,6 +123,7 @@ class Service:
                 if not isinstance(text, str) or not text:
                     raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
             keep_last = self.truncation(data)
+            texts = self.bounded_texts(texts, keep_last)
             tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
                                                                               keep_last))
             self.check_embedding_lengths(tokens)
@@ -156,15 +160,33 @@ class Service:
 
     def truncation(self, data: dict) -> int | None:
         """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
-        vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit."""
+        vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit; without it, the model's
+        limit when the operator set HFENDPOINT_AUTO_TRUNCATE (TEI's auto-truncate)."""
         keep_last = data.get("truncate_prompt_tokens")
         limit = self.worker.max_embedding_tokens
         if keep_last is None:
-            return None
+            return limit if self.auto_truncate else None
         if type(keep_last) is not int or not (keep_last == -1 or 1 <= keep_last <= limit):
             raise RequestError(f"truncate_prompt_tokens must be -1 (the model's limit) or an integer from 1 to "
                                f"{limit}, got {keep_last!r:.100}", param="truncate_prompt_tokens")
         return limit if keep_last == -1 else keep_last
+
+    def bounded_texts(self, texts: list[str], keep_last: int | None) -> list[str]:
+        """Texts too long in characters to fit the embedding limit whatever their tokens are refused before
+        tokenizing (as chat prompts are, handler/chat.py); with truncation, only their ends that can hold the
+        tokens kept are tokenized. A tokenizer whose normalizer may delete text gives no such bound: for it, more
+        than FALLBACK_CHARS_PER_TOKEN characters per token is taken as too long (no real text is that sparse)."""
+        per_token = self.chat_model.max_chars_per_token or FALLBACK_CHARS_PER_TOKEN
+        if keep_last is not None:
+            return [text[-TRUNCATION_MARGIN * keep_last * per_token:] for text in texts]
+        limit = self.worker.max_embedding_tokens
+        for i, text in enumerate(texts):
+            if len(text) > limit * per_token:
+                raise RequestError(
+                    f"input[{i}] is {len(text)} characters, more than the {limit} tokens the model embeds can hold "
+                    f"(at most {per_token} characters a token); shorten it, or set truncate_prompt_tokens to embed "
+                    "its last tokens only", param="input", code="context_length_exceeded")
+        return texts
 
     def check_embedding_lengths(self, token_lists: list[list[int]]) -> None:
         """Inputs longer than the model embeds are refused, as OpenAI does, not cut silently."""

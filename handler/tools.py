@@ -140,13 +140,15 @@ def tool_call_for_template(call, where: str) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RequestError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                           f'"arguments": ...}}}}')
+                           f'"arguments": ...}}}}', param="messages")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as exc:
             raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}", param="messages") from None
+        except RecursionError:
+            raise RequestError(f"{where}.function.arguments nests too deeply to read", param="messages") from None
     elif arguments is not None and not isinstance(arguments, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON string, got {type_name(arguments)}",
                            param="messages")
