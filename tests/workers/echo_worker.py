@@ -82,6 +82,9 @@ async def chat_completions(data):
     last = text_of(data["messages"][-1].get("content"))
     if model == "fail":
         raise ValueError("echo worker was asked to fail")
+    if isinstance(data.get("max_tokens"), int) and data["max_tokens"] < 1:  # as the real handler refuses it
+        raise daemon_protocol.RequestError(f"max_tokens must be at least 1, got {data['max_tokens']}",
+                                           param="max_tokens")
     if model == "error":
         raise RuntimeError("echo worker broke")
     if model == "unavailable":
