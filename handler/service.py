@@ -24,6 +24,7 @@ from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat
 from handler.choices import ChatReplies
 from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
+from handler.memory import resident_bytes
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
 
@@ -156,7 +157,11 @@ class Service:
                 "hidden_size": self.worker.hidden_size}
 
     async def stats(self, data):
-        return self.worker.stats()
+        return self.handler_stats()
+
+    def handler_stats(self) -> dict:
+        """The engine's numbers and the handler's resident memory."""
+        return {**self.worker.stats(), "handler_rss_bytes": resident_bytes()}
 
     def truncation(self, data: dict) -> int | None:
         """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
@@ -214,7 +219,7 @@ class Service:
         loop = asyncio.get_running_loop()
         if self._engine_report is None or self._engine_report.get_loop() is not loop:
             self._engine_report = loop.create_task(
-                report_engine(self.worker.stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
+                report_engine(self.handler_stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
 
 
 def check_token_list(tokens, where: str) -> None:

@@ -83,7 +83,7 @@ def test_stdio_mode_keeps_stdout_for_the_protocol_and_logs_on_stderr(tmp_path):
 
 def test_the_engine_line_comes_while_there_is_work_and_not_when_idle(caplog):
     engine = {"running": 3, "waiting": 1, "num_free_blocks": 60, "num_total_blocks": 80, "prefix_cache_hit_rate": 0.5,
-              "num_preemptions": 2}
+              "num_preemptions": 2, "handler_rss_bytes": 300 << 20}
     tokens = [0]
 
     async def serve_for_a_while():
@@ -100,8 +100,8 @@ def test_the_engine_line_comes_while_there_is_work_and_not_when_idle(caplog):
     lines = [record.message for record in caplog.records if record.name == "handler.engine"]
     assert len(lines) == 1, lines
     assert re.fullmatch(r"running 3, waiting 1, KV cache 20/80 blocks \(25%\), prefix-cache hit rate 50%, "
-                        r"preemptions 2, \d+\.\d output tokens/s", lines[0]), lines[0]
-    rate = float(lines[0].split(", ")[-1].split()[0])
+                        r"preemptions 2, \d+\.\d output tokens/s, handler RSS 300 MiB", lines[0]), lines[0]
+    rate = float(lines[0].split(", ")[-2].split()[0])
     assert 50 / 5 < rate <= 50 / 0.1, "50 tokens in one interval of at least 0.1 s"
 
 

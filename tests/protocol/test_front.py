@@ -277,10 +277,10 @@ def test_metrics_count_requests_and_time_tokens_and_carry_the_engine_stats(spawn
     assert samples[("nanovllm_request_duration_seconds_count", frozenset({("route", chat)}))] == 4
     engine = {name: samples[(f"nanovllm_{name}", frozenset())] for name in (
         "num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total",
-        "prefix_cache_hit_rate", "preemptions_total", "worker_ready")}
+        "prefix_cache_hit_rate", "preemptions_total", "worker_ready", "handler_resident_memory_bytes")}
     assert engine == {"num_requests_running": 2, "num_requests_waiting": 1, "kv_cache_blocks_used": 30,
                       "kv_cache_blocks_total": 100, "prefix_cache_hit_rate": 0.25, "preemptions_total": 3,
-                      "worker_ready": 1}
+                      "worker_ready": 1, "handler_resident_memory_bytes": 123 << 20}
 
 
 def test_a_busy_port_is_a_one_line_error(tmp_path):

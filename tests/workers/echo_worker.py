@@ -31,7 +31,7 @@ import daemon_protocol  # importable without installing the package
 
 cleanups: list[str] = []
 ECHO_STATS = {"running": 2, "waiting": 1, "num_free_blocks": 70, "num_total_blocks": 100,
-              "prefix_cache_hit_rate": 0.25, "num_preemptions": 3}
+              "prefix_cache_hit_rate": 0.25, "num_preemptions": 3, "handler_rss_bytes": 123 << 20}
 
 
 def record_cleanup(tag: str) -> None:
