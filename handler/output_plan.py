@@ -43,7 +43,8 @@ def plan_output(data: dict, model) -> OutputPlan:
     """Everything but reasoning, which needs the rendered prompt (with_prompt)."""
     for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
         if data.get(legacy) is not None:
-            raise RequestError(f"{legacy} is OpenAI's deprecated form of {current}, which this endpoint takes instead")
+            raise RequestError(f"{legacy} is OpenAI's deprecated form of {current}, which this endpoint takes instead",
+                               param=legacy)
     check_stream_options(data)
     check_count(data, "tools", model.limits.max_tools, "HFENDPOINT_MAX_TOOLS")
     tools = parse_tools(data, tool_call_format(model.tokenizer.chat_template))

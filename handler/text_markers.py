@@ -7,12 +7,13 @@ Knuth-Morris-Pratt matcher per marker: its state is the longest end of the text 
 marker, advanced character by character. Memory is linear in the markers' total length (a marker's failure
 table), and each character costs amortized constant time per marker, whatever was held back before.
 """
+from array import array
 
 
 class MarkerScanner:
     def __init__(self, markers: tuple[str, ...]):
         self.markers = markers
-        self._failures = [failure_table(marker) for marker in markers]
+        self._failures = [failure_table(marker) for marker in markers]  # machine integers: 8 bytes a character
         self._matched = [0] * len(markers)  # per marker: characters of it that the text so far ends with
         self.pending = ""  # held back: it may be the start of a marker
 
@@ -50,9 +51,9 @@ class MarkerScanner:
         return False
 
 
-def failure_table(marker: str) -> list[int]:
+def failure_table(marker: str) -> array:
     """KMP's table: entry k is the length of the longest proper prefix of marker[:k + 1] that also ends it."""
-    table = [0] * len(marker)
+    table = array("l", bytes(8 * len(marker)))
     matched = 0
     for k in range(1, len(marker)):
         while matched and marker[k] != marker[matched]:
