@@ -50,6 +50,7 @@ class GrammarCompilerPool:
         self._deserialize = deserialize
         self._jobs: queue.SimpleQueue[CompileJob] = queue.SimpleQueue()
         self._children: list[subprocess.Popen] = []
+        self._closed = False
         self._lock = threading.Lock()
         atexit.register(self.close)
         for index in range(processes):
@@ -67,7 +68,9 @@ class GrammarCompilerPool:
             job.cancelled.set()  # done, failed or cancelled: a child still at it is no longer wanted
 
     def close(self) -> None:
+        """Kills the children; the pool takes no more jobs (at exit)."""
         with self._lock:
+            self._closed = True
             children, self._children = self._children, []
         for child in children:
             child.kill()
@@ -76,12 +79,15 @@ class GrammarCompilerPool:
         """One child's loop; a fresh child is started before the next job is taken, so a job never waits for
         one to start."""
         child = self._start_child()
-        while True:
+        while child is not None:
             job = self._jobs.get()
             if job.cancelled.is_set():
                 continue
             if child.poll() is not None:  # died between jobs (killed at exit, or for memory)
                 child = self._start_child()
+                if child is None:
+                    self._settle(job, CompileTimeout())
+                    return
             try:
                 child.stdin.write(job.schema.encode() + b"\n")
                 child.stdin.flush()
@@ -120,15 +126,21 @@ class GrammarCompilerPool:
                 return bytes(received)
         return None
 
-    def _start_child(self) -> subprocess.Popen:
+    def _start_child(self) -> subprocess.Popen | None:
+        """A fresh child, given the tokenizer; None once the pool is closed."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")]))}
-        child = subprocess.Popen([sys.executable, "-m", "handler.grammar_worker"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         with self._lock:
+            if self._closed:
+                return None
+            child = subprocess.Popen([sys.executable, "-m", "handler.grammar_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
             self._children.append(child)
         threading.Thread(target=relay_warnings, args=(child.stderr,), name="grammar-stderr", daemon=True).start()
-        child.stdin.write(self._info.encode() + b"\n")
-        child.stdin.flush()
+        try:
+            child.stdin.write(self._info.encode() + b"\n")
+            child.stdin.flush()
+        except OSError:  # killed at once (the pool closed meanwhile): the next job finds it dead
+            pass
         return child
 
     def _kill(self, child: subprocess.Popen) -> None:

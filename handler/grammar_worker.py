@@ -11,13 +11,13 @@ error too, found here rather than by the engine.
 """
 import ctypes
 import json
-import re
 import signal
 import sys
 
 import xgrammar
 
-LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:30:24] /project/cpp/x.cc:4944: " before a message
+from handler.library_warnings import LIBRARY_PREFIX
+
 PR_SET_PDEATHSIG = 1
 
 

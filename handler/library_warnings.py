@@ -11,7 +11,8 @@ import threading
 
 from daemon_protocol.log import is_power_of_ten
 
-KIND_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: |'[^']*'|\"[^\"]*\"|\d+")
+LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:30:24] /project/cpp/x.cc:4944: " (xgrammar)
+KIND_NOISE = re.compile(r"'[^']*'|\"[^\"]*\"|\d+")
 MAX_KIND_CHARS = 200
 MAX_KINDS = 1000  # distinct kinds remembered; past it every new one counts as "other"
 
@@ -25,7 +26,7 @@ class LibraryWarnings:
 
     def note(self, library: str, message: str) -> int:
         """Counts one warning; returns how many of its kind there have been."""
-        kind = f"{library}: {KIND_NOISE.sub('_', message.strip())[:MAX_KIND_CHARS]}"
+        kind = f"{library}: {KIND_NOISE.sub('_', LIBRARY_PREFIX.sub('', message.strip()))[:MAX_KIND_CHARS]}"
         with self._lock:
             if kind not in self._counts and len(self._counts) >= MAX_KINDS:
                 kind = f"{library}: other"
@@ -37,7 +38,7 @@ class LibraryWarnings:
         count = self.note(library, message)
         if is_power_of_ten(count):
             again = "" if count == 1 else f" (seen {count} times; logged again at each power of ten)"
-            log.warning("%s: %s%s", library, message.strip()[:MAX_KIND_CHARS * 5], again)
+            log.warning("%s: %s%s", library, LIBRARY_PREFIX.sub("", message.strip())[:MAX_KIND_CHARS * 5], again)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
