@@ -15,6 +15,7 @@ import pytest
 from model_packages import minilm_dir_or_skip
 
 import handler.__main__ as handler_main
+from handler.library_warnings import LibraryWarnings
 from handler.logs import report_engine
 
 TIMESTAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
@@ -118,3 +119,16 @@ def test_a_line_every_interval_while_the_weights_load(monkeypatch, caplog):
         time.sleep(0.15)
     assert count >= 2 and all("still loading tiny" in record.message for record in caplog.records)
     assert len(caplog.records) == count, "no line once loaded"
+
+
+def test_library_warnings_are_logged_once_per_kind_with_a_count():
+    """A client can make a library warn at will: the first of each kind passes, then each power of ten, counted."""
+    warnings = LibraryWarnings()
+    once = warnings.logging_filter(("handler",))
+    records = [logging.LogRecord("transformers.tokenization", logging.WARNING, "x", 1, "Token indices %d too long",
+                                 (n,), None) for n in range(25)]
+    passed = [record.getMessage() for record in records if once.filter(record)]
+    assert passed == ["Token indices 0 too long", "Token indices 9 too long (seen 10 times)"]
+    ours = logging.LogRecord("handler.access", logging.WARNING, "x", 1, "ours", (), None)
+    assert all(once.filter(ours) for _ in range(5)), "our own lines are never held back"
+    assert warnings.counts() == {"transformers: Token indices _ too long": 25}

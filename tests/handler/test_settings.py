@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from handler.limits import RequestLimits
 from handler.settings import HandlerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,9 +19,20 @@ def test_defaults_and_values():
     assert HandlerSettings.from_env({"HFENDPOINT_DRAIN_TIMEOUT": "0"}).drain_timeout == 0
 
 
+def test_request_limits_and_auto_truncate():
+    env = {"HFENDPOINT_MAX_N": "4", "HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT": "2.5", "HFENDPOINT_MAX_STOP_CHARS": "99",
+           "HFENDPOINT_AUTO_TRUNCATE": "true"}
+    settings = HandlerSettings.from_env(env)
+    assert settings.auto_truncate and (settings.limits.max_n, settings.limits.max_stop_chars) == (4, 99)
+    assert settings.limits.grammar_compile_timeout == 2.5
+    assert HandlerSettings.from_env({}).limits == RequestLimits()
+
+
 @pytest.mark.parametrize("name, value", [
     ("HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE", "maybe"), ("HFENDPOINT_DRAIN_TIMEOUT", "soon"),
     ("HFENDPOINT_DRAIN_TIMEOUT", "-1"), ("HFENDPOINT_DRAIN_TIMEOUT", "inf"), ("HFENDPOINT_DRAIN_TIMEOUT", "nan"),
+    ("HFENDPOINT_MAX_N", "0"), ("HFENDPOINT_MAX_TOOLS", "many"), ("HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT", "nan"),
+    ("HFENDPOINT_AUTO_TRUNCATE", "sometimes"),
 ])
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=f"^{name}='{value}' is invalid: expected"):
