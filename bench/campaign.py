@@ -79,7 +79,7 @@ class Tally:
 def handler_env(kv_blocks: int, **extra) -> dict:
     return {**os.environ, "MODEL_ID": packaged_model_path(), "HFENDPOINT_DEVICE": "cpu",
             "HFENDPOINT_NUM_KV_BLOCKS": str(kv_blocks), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
-            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, **extra}
+            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS": "512", **extra}
 
 
 class Service:
@@ -519,13 +519,15 @@ def attack_inputs() -> list[tuple[str, str, object, str | None]]:
          "response_format"),
         ("schema enum of 40,000", chat(response_format=schema({"enum": [f"v{i}" for i in range(40_000)]})),
          "response_format"),
+        ("schema enum of 20,000 (under the size cap)",
+         chat(response_format=schema({"enum": [f"u{i}" for i in range(20_000)]})), "response_format"),
         ("schema 5 MB", chat(response_format=schema({"enum": ["x" * 1000] * 5000})), "response_format"),
         ("schema 3,000 allOf", chat(response_format=schema({"type": "object", "properties": {
             f"p{i}": {"allOf": [{"type": "string"}, {"maxLength": 5}]} for i in range(3000)}})), None),
         ("tool schema $ref #", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
             "$ref": "#"}}}], tool_choice={"type": "function", "function": {"name": "f"}}), "tools"),
         ("tool-call arguments nested 100,000 deep", chat(messages=history), "messages"),
-        ("metadata nested 1,000 deep", chat(metadata={"a": json.loads("[" * 1000 + "]" * 1000)}), "metadata"),
+        ("metadata nested 500 deep", chat(metadata={"a": json.loads("[" * 500 + "]" * 500)}), "metadata"),
         ("logit_bias key x", chat(logit_bias={"x": 1}), "logit_bias"),
         ("logit_bias key of 5,000 digits", chat(logit_bias={"1" * 5000: 1}), "logit_bias"),
         ("logit_bias NaN", nan_bias, "logit_bias"),
@@ -581,9 +583,9 @@ async def starved_chat(service: Service, session, tally: Tally) -> None:
     """Four compiles that would run for minutes and a long embeddings call, beside a chat: the chat's first
     token must come within 15 s, the compiles must be refused within their budget."""
     slow = chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
-        "enum": [f"slow value {i}" for i in range(40_000)]}}})
+        "enum": [f"w{i}" for i in range(20_000)]}}})  # under the size cap; compiles far longer than the budget
     long_embedding = {"input": [[1] * 500] * 12}
-    baseline, _ = await timed(read_stream(session, service.url, chat(max_tokens=8), disconnect_after=1))
+    _, baseline = await timed(read_stream(session, service.url, chat(max_tokens=8), disconnect_after=1))
     hostile = [asyncio.ensure_future(post(session, service.url + "/v1/chat/completions", slow)) for _ in range(4)]
     hostile.append(asyncio.ensure_future(post(session, service.url + "/v1/embeddings", long_embedding)))
     await asyncio.sleep(0.5)

@@ -18,16 +18,20 @@ import xgrammar
 
 from handler.chat import RequestError
 from handler.grammar_compiler import CompileRefused, CompileTimeout, GrammarCompilerPool
+from handler.limits import RequestLimits
 
 CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse; the least recently used go first
 COMPILE_PROCESSES = 2  # grammars compiled at once
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 max_grammar_bytes: int = RequestLimits.max_grammar_bytes):
         """stop_token_ids: the tokens that end a reply; a grammar allows them once its text is complete. A model
-        without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars."""
+        without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars.
+        max_grammar_bytes: the largest compiled grammar a request may have (HFENDPOINT_MAX_GRAMMAR_BYTES)."""
         self.vocab_size = vocab_size
+        self.max_grammar_bytes = max_grammar_bytes
         self.can_constrain = bool(stop_token_ids)
         with warnings.catch_warnings():  # without stop tokens xgrammar warns that it found none
             warnings.simplefilter("ignore")
@@ -58,7 +62,8 @@ class Grammars:
     def start_compilers(self) -> GrammarCompilerPool:
         """The compiling processes, started on first use (the handler starts them with the service)."""
         if self._pool is None:
-            self._pool = GrammarCompilerPool(self.info.serialize_json(), self._deserialize, COMPILE_PROCESSES)
+            self._pool = GrammarCompilerPool(self.info.serialize_json(), self._deserialize, COMPILE_PROCESSES,
+                                             self.max_grammar_bytes)
         return self._pool
 
     def _deserialize(self, serialized: str) -> xgrammar.CompiledGrammar:

@@ -9,7 +9,6 @@ stderr (xgrammar's C++ warnings) goes through handler/library_warnings.py: once 
 """
 import asyncio
 import atexit
-import json
 import os
 import queue
 import select
@@ -44,9 +43,11 @@ class CompileJob:
 
 
 class GrammarCompilerPool:
-    def __init__(self, tokenizer_info_json: str, deserialize, processes: int):
-        """deserialize(serialized grammar) -> the CompiledGrammar; runs on the pool's threads."""
+    def __init__(self, tokenizer_info_json: str, deserialize, processes: int, max_grammar_bytes: int):
+        """deserialize(serialized grammar) -> the CompiledGrammar; runs on the pool's threads. A grammar larger
+        than max_grammar_bytes is refused."""
         self._info = tokenizer_info_json
+        self._max_grammar_bytes = max_grammar_bytes
         self._deserialize = deserialize
         self._jobs: queue.SimpleQueue[CompileJob] = queue.SimpleQueue()
         self._children: list[subprocess.Popen] = []
@@ -106,10 +107,10 @@ class GrammarCompilerPool:
             self._settle(job, result)
 
     def _result(self, reply: bytes):
-        answer = json.loads(reply)
-        if "error" in answer:
-            raise CompileRefused(answer["error"])
-        return self._deserialize(answer["grammar"])
+        kind, _, content = reply.decode().rstrip("\n").partition(" ")
+        if kind != "grammar":
+            raise CompileRefused(content)
+        return self._deserialize(content)
 
     def _read_reply(self, child: subprocess.Popen, job: CompileJob) -> bytes | None:
         """The child's answer line; None when the job ran out of time, was cancelled, or the child died."""
@@ -132,7 +133,8 @@ class GrammarCompilerPool:
         with self._lock:
             if self._closed:
                 return None
-            child = subprocess.Popen([sys.executable, "-m", "handler.grammar_worker"], stdin=subprocess.PIPE,
+            child = subprocess.Popen([sys.executable, "-m", "handler.grammar_worker", str(self._max_grammar_bytes)],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
             self._children.append(child)
         threading.Thread(target=relay_warnings, args=(child.stderr,), name="grammar-stderr", daemon=True).start()

@@ -19,6 +19,7 @@ class RequestLimits:
     max_stop_chars: int = 1024               # HFENDPOINT_MAX_STOP_CHARS: characters of one stop string
     max_schema_bytes: int = 256 << 10        # HFENDPOINT_MAX_SCHEMA_BYTES: a response_format or tools schema, as JSON
     grammar_compile_timeout: float = 10.0    # HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT: seconds one grammar may compile
+    max_grammar_bytes: int = 8 << 20         # HFENDPOINT_MAX_GRAMMAR_BYTES: one compiled grammar, in memory
     max_nesting_depth: int = 100             # HFENDPOINT_MAX_NESTING_DEPTH: lists and maps in a request
     max_prompt_chars: int = 8 << 20          # HFENDPOINT_MAX_PROMPT_CHARS: a rendered chat prompt
 

@@ -55,8 +55,8 @@ class Service:
         # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
         # This one is only copied from, by each encoding thread as it starts.
         encoding_tokenizer = copy.deepcopy(tokenizer)
-        self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder"
-                                    else None)
+        self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos,
+                                             settings.limits.max_grammar_bytes) if worker.kind == "decoder" else None)
         if grammars is not None and grammars.can_constrain:
             grammars.start_compilers()
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),

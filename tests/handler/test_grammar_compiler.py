@@ -16,7 +16,7 @@ SLOW_SCHEMA = json.dumps({"enum": [f"value number {i}" for i in range(40_000)]})
 CITY = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def grammars(smollm2_tokenizer):
     grammars = Grammars(smollm2_tokenizer, len(smollm2_tokenizer), (smollm2_tokenizer.eos_token_id,))
     yield grammars
@@ -71,11 +71,26 @@ def test_compiled_grammars_are_kept_by_schema(grammars):
 
 def test_xgrammar_warnings_are_logged_once_per_kind_with_a_count(grammars, caplog):
     schema = json.dumps({"type": "object", "properties": {
-        f"p{i}": {"allOf": [{"type": "string"}, {"maxLength": 5}]} for i in range(300)}})
+        f"p{i}": {"allOf": [{"type": "string"}, {"maxLength": 5}]} for i in range(30)}})
     kind = "xgrammar: Warning: Support for allOf with multiple options is still ongoing"
     before = library_warnings.counts().get(kind, 0)
     with caplog.at_level(logging.WARNING, logger="handler.library"):
         compile_schema(grammars, schema)
-        wait_for(lambda: library_warnings.counts().get(kind, 0) >= before + 300)
+        wait_for(lambda: library_warnings.counts().get(kind, 0) >= before + 30)
     lines = [record.getMessage() for record in caplog.records if "allOf" in record.getMessage()]
-    assert 1 <= len(lines) <= 3, lines  # the first, and at each power of ten reached
+    assert 1 <= len(lines) <= 2, lines  # the first, and at each power of ten reached
+
+
+def test_a_grammar_past_the_size_budget_is_a_400(smollm2_tokenizer):
+    """A short schema can compile to a grammar of tens of MB (an enum of thousands of strings)."""
+    small = Grammars(smollm2_tokenizer, len(smollm2_tokenizer), (smollm2_tokenizer.eos_token_id,),
+                     max_grammar_bytes=64 << 10)
+    try:
+        enum = json.dumps({"enum": [f"u{i}" for i in range(2000)]})
+        with pytest.raises(RequestError, match=r"compiles to a grammar of \d+ KiB, more than this server's 64 KiB "
+                                               r"\(HFENDPOINT_MAX_GRAMMAR_BYTES\)") as raised:
+            compile_schema(small, enum)
+        assert raised.value.param == "response_format"
+        assert compile_schema(small, CITY) is not None
+    finally:
+        small.start_compilers().close()
