@@ -7,7 +7,8 @@ Encoding (chat templates, tokenizing) runs on a small pool of threads, each with
 so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
 the requests behind it. A request cancelled while its encoding waits for a thread is never encoded; one
 cancelled while encoding (a template render cannot be interrupted) is dropped once it ends, before the engine
-sees it.
+sees it. A request's JSON schema compiles after its encoding, in the grammar compilers' own processes
+(handler/grammar.py), so that a slow compile holds no encoding thread.
 """
 
 import asyncio
