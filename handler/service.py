@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from daemon_protocol import RequestError
 from engine import Worker
+from engine.embedding import check_inputs
 from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
 from handler.grammar import Grammars
@@ -146,8 +147,12 @@ class Service:
             if keep_last is not None:
                 token_lists = [tokens[-keep_last:] for tokens in token_lists]
             self.check_embedding_lengths(token_lists)
+            try:  # the worker checks them too; here its refusal names the field
+                check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="input") from None
             log.prompt_tokens = sum(map(len, token_lists))
-            vectors = await self.worker.embed(token_lists)  # the worker checks the vocabulary range
+            vectors = await self.worker.embed(token_lists)
             if keep_last is None:
                 return {"embeddings": vectors}
             return {"embeddings": vectors, "usage": {"prompt_tokens": log.prompt_tokens,

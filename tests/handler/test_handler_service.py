@@ -188,8 +188,9 @@ def test_embeddings_have_the_hidden_size_unit_norm_and_are_deterministic(client)
 
 
 def test_bad_embedding_inputs_are_rejected(client, smollm2_service):
-    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+    with pytest.raises(openai.BadRequestError, match="vocabulary") as raised:
         client.embeddings.create(model="smollm2", input=[[1, 2, 10**9]])
+    assert raised.value.param == "input"
     with pytest.raises(openai.BadRequestError, match=r"input\[1\] is 513 tokens, more than the model's maximum of 512"):
         client.embeddings.create(model="smollm2", input=[[1], [1] * 513])
     assert smollm2_service.call("tokenize", {"input": ["hi"]})["tokens"] == [smollm2_service.call(
