@@ -254,6 +254,8 @@ async def phase_http(service: Service) -> Tally:
                 tally.fail(case, f"hang (engine then: {await service.stats()})")
                 continue
             classify(tally, case, False, status, text)
+            if status == 400 and isinstance(body, dict) and json.loads(text)["error"].get("param") is None:
+                tally.notes.append(f"{case}: a 400 without param: {json.loads(text)['error']['message'][:80]}")
         for case, path, method in (("GET on a POST route", "/v1/chat/completions", "GET"),
                                    ("unknown route", "/v1/nope", "POST"), ("PUT /", "/", "PUT")):
             status, text = await post(session, service.url + path, b"{}", None, method)
