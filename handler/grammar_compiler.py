@@ -84,6 +84,9 @@ class GrammarCompilerPool:
             job = self._jobs.get()
             if job.cancelled.is_set():
                 continue
+            if time.monotonic() >= job.deadline:  # its budget went by in the queue: the child stays
+                self._settle(job, CompileTimeout())
+                continue
             if child.poll() is not None:  # died between jobs (killed at exit, or for memory)
                 child = self._start_child()
                 if child is None:
@@ -95,9 +98,11 @@ class GrammarCompilerPool:
                 reply = self._read_reply(child, job)
             except (OSError, ValueError):  # the child died
                 reply = None
-            if reply is None:  # out of time or cancelled: abandoned
+            if reply is None:  # out of time, cancelled (abandoned), or the child died compiling it
+                died = time.monotonic() < job.deadline and not job.cancelled.is_set()
                 self._kill(child)
-                self._settle(job, CompileTimeout())
+                self._settle(job, CompileRefused("the grammar compiler died compiling this JSON schema (out of "
+                                                 "memory?); simplify it") if died else CompileTimeout())
                 child = self._start_child()
                 continue
             try:
