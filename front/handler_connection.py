@@ -14,7 +14,7 @@ import subprocess
 import msgpack
 
 from daemon_protocol.errors import DEFAULT_STATUS
-from daemon_protocol.log import error
+from daemon_protocol.log import RepeatedProblems, error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
 CHAT_QUEUE_CHUNKS = 10
@@ -117,6 +117,7 @@ class HandlerConnection:
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task] = []
         self._eof_sent = False  # once stop() dropped our write half, nothing more can be sent
+        self._stray_replies = RepeatedProblems()  # replies after a cancel are expected: counted, not each logged
         self.closed: asyncio.Future | None = None
 
     @property
@@ -200,7 +201,8 @@ class HandlerConnection:
         request_id = reply.get("id") if isinstance(reply, dict) else None
         stream = self._streams.get(request_id)
         if stream is None:
-            error(f"dropping a reply for request {request_id!r}, which is not in flight")
+            self._stray_replies.error("dropping replies for requests not in flight (cancelled ones, whose replies "
+                                      "were on their way)", f"request {request_id!r:.40}")
             return
         await stream.queue.put(reply)
 
