@@ -51,9 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def configure_logging(transport_kind: str) -> None:
     """Timestamped lines; startup lines and problems on stderr (the daemon logs them at ERROR), the access
     and engine lines on stdout, which in stdio mode carries the protocol: there they go to stderr too."""
+    from handler.library_warnings import library_warnings
     formatter = logging.Formatter(LOG_FORMAT)
     problems = logging.StreamHandler(sys.stderr)
     problems.setFormatter(formatter)
+    problems.addFilter(library_warnings.logging_filter(OUR_LOGGERS))  # other libraries: once per kind of warning
+    logging.captureWarnings(True)  # Python warnings through that filter too
     logging.basicConfig(level=logging.WARNING, handlers=[problems], force=True)
     for name in OUR_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO)
