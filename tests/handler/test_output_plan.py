@@ -187,7 +187,7 @@ BAD = [
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": DEEP_ARGUMENTS}}]}]},
      r"messages\[0\].tool_calls\[0\].function.arguments nests too deeply"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
-                                                                       "arguments": json.dumps(DEEP_LIST)}}]}]},
+                                                                       "arguments": json.dumps({"a": DEEP_LIST})}}]}]},
      "messages nests lists and maps more than 100 levels deep"),
     ({"metadata": {"a": DEEP_LIST}}, "metadata nests lists and maps more than 100 levels deep"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": DEEP_LIST}}}]},
