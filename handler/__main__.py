@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import daemon_protocol
 from daemon_protocol.transports import TransportError, parse_transport, transport_from_env
@@ -72,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     from handler.model_source import ModelNotFound, resolve_model
     from handler.service import Service  # xgrammar's imports among them: before the engine is ready
     from handler.settings import HandlerSettings
-    startup_log.note("imports done")
     try:
         settings = HandlerSettings.from_env()
         model = resolve_model()
         config = EngineConfig.from_env(model.path)
     except (ModelNotFound, ValueError) as exc:
-        log.error(str(exc))
+        log.error(str(exc))  # the one line of a start that cannot begin
         return 2
+    startup_log.note("imports done")
     name = os.environ.get("HFENDPOINT_MODEL_NAME") or model.name
     loaded = load(name, model.path, config)
     if loaded is None:
@@ -108,11 +109,15 @@ def load(name: str, path: str, config):
     started = time.perf_counter()
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
+    worker = None
     try:
-        with startup_log.phase("tokenizer"):
-            tokenizer = load_tokenizer(path, config.cache_dir)
-        worker = Worker(config, on_fatal=exit_soon)
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:  # it loads while the engine does
+            tokenizer = pool.submit(startup_log.timed, "tokenizer", load_tokenizer, path, config.cache_dir)
+            worker = Worker(config, on_fatal=exit_soon)
+        tokenizer = tokenizer.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
+        if worker:
+            worker.shutdown()
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
     finally:
