@@ -5,6 +5,7 @@ and engine come from the environment (see handler/model_source.py and engine/con
 """
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -71,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.transport_kind)
     from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
     from handler.model_source import ModelNotFound, resolve_model
-    from handler.service import Service  # xgrammar's imports among them: before the engine is ready
     from handler.settings import HandlerSettings
     try:
         settings = HandlerSettings.from_env()
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     worker, tokenizer = loaded
     try:
         from engine.gc_freeze import freeze_startup_objects
+        from handler.service import Service  # imported by load(), on its thread
         with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
             service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
-    reason logged) when loading fails."""
+    reason logged) when loading fails. The tokenizer and the chat service's imports load on a thread meanwhile."""
     from engine import Worker, startup_log
     from handler.tokenizer import load_tokenizer
     log.info(f"loading {name} ({path})")
@@ -111,8 +112,10 @@ def load(name: str, path: str, config):
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     worker = None
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:  # it loads while the engine does
+        with ThreadPoolExecutor(1, thread_name_prefix="loading-beside") as pool:  # see the docstring
             tokenizer = pool.submit(startup_log.timed, "tokenizer", load_tokenizer, path, config.cache_dir)
+            pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
+                        "handler.service")
             worker = Worker(config, on_fatal=exit_soon)
         tokenizer = tokenizer.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
