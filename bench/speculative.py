@@ -4,9 +4,12 @@ the suffix drafter, at several batch sizes, on two workloads; and the step cost 
 Workloads (the packaged SmolLM2-135M-Instruct, real weights, through its chat template):
 - copy: prompts that ask for text the prompt holds. The repository's own files are cut into pieces of about
   CHUNK_CHARS characters at line boundaries: a Python piece (engine/, models/, kernels/, handler/) becomes
-  "rename <its most frequent identifier> and output the whole piece", a Markdown piece (README.md, docs/)
-  "summarise this document, quoting its key sentences"; one request in four is a summary. Greedy, at most
-  --max-tokens output tokens, stopping at the end of turn.
+  "repeat the following text exactly", a Markdown piece (README.md, docs/) "summarise this document, quoting
+  its key sentences"; one request in four is a summary. Greedy, at most --max-tokens output tokens, stopping
+  at the end of turn. The code prompts ask for a plain copy, not an edit: SmolLM2-135M answers edit prompts
+  ("rename this identifier and output the whole piece", "fix the typo and output the full code") with code
+  of its own invention rather than the piece edited, and the plain request in this form is the one it
+  copies from (a Markdown code fence around the piece, or "Python code" for "text", makes it invent again).
 - random: the Nano-vLLM workload's random prompts and sampling (bench/throughput.py's workload(): random
   token ids, temperature 0.6, ignore_eos), the first B requests at batch B, output lengths cut to --max-tokens.
 Each (workload, batch) runs with speculation off and then with each drafter on one engine (the speculator
@@ -23,12 +26,9 @@ differs when only the batch's shape changes.
 batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step.
 """
 import argparse
-import collections
 import glob
 import importlib.metadata
-import keyword
 import os
-import re
 import statistics
 import sys
 import time
@@ -48,8 +48,7 @@ CHUNK_CHARS = 1600
 CONTEXT = 512  # --step-cost: tokens each request has in the cache
 CODE_SOURCES = ("engine/*.py", "models/*.py", "kernels/*.py", "handler/*.py")
 DOC_SOURCES = ("README.md", "docs/*.md")
-CODE_TASK = ("Here is a piece of a Python file:\n```python\n{text}\n```\nRename `{name}` to `{name}_` everywhere in "
-             "it and output the whole piece, unchanged otherwise.")
+CODE_TASK = "Repeat the following text exactly, without any change:\n\n{text}"
 DOC_TASK = "Summarise this document, quoting its key sentences word for word:\n\n{text}"
 
 
@@ -92,23 +91,15 @@ def pieces(patterns: tuple[str, ...]) -> list[str]:
     return out
 
 
-def most_frequent_name(code: str) -> str:
-    """The identifier of at least four characters that occurs most often in the code, keywords aside."""
-    names = collections.Counter(word for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", code)
-                                if not keyword.iskeyword(word) and word != "self")
-    return names.most_common(1)[0][0] if names else "value"
-
-
 def copy_workload(llm: LLM, batch: int, max_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Request i: a document summary when i % 4 == 3, else a code edit; each piece once until all are used."""
+    """Request i: a document summary when i % 4 == 3, else a code copy; each piece once until all are used."""
     code, docs = pieces(CODE_SOURCES), pieces(DOC_SOURCES)
     tasks = []
     for i in range(batch):
         if i % 4 == 3:
             tasks.append(DOC_TASK.format(text=docs[i // 4 % len(docs)]))
         else:
-            text = code[(i - i // 4) % len(code)]
-            tasks.append(CODE_TASK.format(text=text, name=most_frequent_name(text)))
+            tasks.append(CODE_TASK.format(text=code[(i - i // 4) % len(code)]))
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False) for task in tasks]
     return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * batch
