@@ -75,12 +75,14 @@ class SuffixState:
 
 class SuffixDrafter:
     """Prompt lookup first; else a suffix trie of depth `depth` over recent outputs, stored as the counts of
-    each token following each context of min_match..depth tokens, the oldest `capacity` insertions forgotten
-    first. A proposal from the trie walks from the longest context that matches the request's tokens, taking
-    the most frequent next token each time."""
+    each token following each context of depth, depth/2, ... min_match tokens (halving, so that a token costs
+    a few insertions, not one per length), the oldest `capacity` insertions forgotten first. A proposal from
+    the trie walks from the longest context that matches the request's tokens, taking the most frequent next
+    token each time."""
 
     def __init__(self, depth: int = 8, capacity: int = 1 << 20, min_match: int = 2):
-        self.depth, self.capacity, self.min_match = depth, capacity, min_match
+        self.depth, self.capacity = depth, capacity
+        self.lengths = [depth >> i for i in range(depth.bit_length()) if depth >> i >= min_match]  # longest first
         self.own = NgramDrafter()
         self.next_counts: dict[tuple[int, ...], dict[int, int]] = {}
         self.inserted: deque[tuple[tuple[int, ...], int]] = deque()
@@ -106,18 +108,19 @@ class SuffixDrafter:
     def _continuation(self, context: list[int], longest: int) -> tuple[int | None, int]:
         """The most frequent token after the longest suffix of context (at most `longest` tokens) the trie
         holds, and that suffix's length."""
-        for m in range(min(longest, self.depth, len(context)), self.min_match - 1, -1):
-            counts = self.next_counts.get(tuple(context[-m:]))
-            if counts:
+        for m in self.lengths:
+            if m <= longest and m <= len(context) and (counts := self.next_counts.get(tuple(context[-m:]))):
                 return max(counts, key=counts.__getitem__), m
         return None, 0
 
     def _insert(self, tokens: list[int], state: SuffixState) -> None:
-        """Adds the request's output tokens since its last proposal, each under the contexts of min_match..depth
-        tokens before it."""
+        """Adds the request's output tokens since its last proposal, each under its contexts of the trie's
+        lengths."""
         for i in range(state.inserted, len(tokens)):
             token = tokens[i]
-            for m in range(self.min_match, min(self.depth, i) + 1):  # shorter contexts are never looked up
+            for m in self.lengths:
+                if m > i:
+                    continue
                 key = tuple(tokens[i - m:i])
                 counts = self.next_counts.setdefault(key, {})
                 counts[token] = counts.get(token, 0) + 1
