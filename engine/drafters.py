@@ -76,16 +76,20 @@ class SuffixState:
 class SuffixDrafter:
     """Prompt lookup first; else a suffix trie of depth `depth` over recent outputs, stored as the counts of
     each token following each context of depth, depth/2, ... min_match tokens (halving, so that a token costs
-    a few insertions, not one per length), the oldest `capacity` insertions forgotten first. A proposal from
-    the trie walks from the longest context that matches the request's tokens, taking the most frequent next
-    token each time."""
+    a few insertions, not one per length); the oldest outputs are forgotten once the trie holds more than
+    `capacity` output tokens. A proposal from the trie walks from the longest context that matches the
+    request's tokens, taking the most frequent next token each time.
+
+    What was inserted is remembered as spans of requests' token lists, one per proposal, not per count: an
+    object per inserted count would make Python's garbage collector walk them all, again and again."""
 
     def __init__(self, depth: int = 8, capacity: int = 1 << 20, min_match: int = 2):
         self.depth, self.capacity = depth, capacity
         self.lengths = [depth >> i for i in range(depth.bit_length()) if depth >> i >= min_match]  # longest first
         self.own = NgramDrafter()
         self.next_counts: dict[tuple[int, ...], dict[int, int]] = {}
-        self.inserted: deque[tuple[tuple[int, ...], int]] = deque()
+        self.spans: deque[tuple[list[int], int, int]] = deque()  # (a request's tokens, start, end), oldest first
+        self.num_inserted = 0  # output tokens the spans hold
 
     def propose(self, seq, k: int) -> list[int]:
         if seq.draft_state is None:
@@ -114,28 +118,35 @@ class SuffixDrafter:
         return None, 0
 
     def _insert(self, tokens: list[int], state: SuffixState) -> None:
-        """Adds the request's output tokens since its last proposal, each under its contexts of the trie's
-        lengths."""
-        for i in range(state.inserted, len(tokens)):
+        """Adds the request's output tokens since its last proposal, then forgets the oldest spans past
+        capacity."""
+        start, end = state.inserted, len(tokens)
+        if start >= end:
+            return
+        self._count(tokens, start, end, 1)
+        self.spans.append((tokens, start, end))
+        self.num_inserted += end - start
+        state.inserted = end
+        while self.num_inserted > self.capacity:
+            old_tokens, old_start, old_end = self.spans.popleft()
+            self._count(old_tokens, old_start, old_end, -1)
+            self.num_inserted -= old_end - old_start
+
+    def _count(self, tokens: list[int], start: int, end: int, change: int) -> None:
+        """Adds `change` to the count of each token of tokens[start:end] under its contexts of the trie's
+        lengths, dropping counts that reach zero."""
+        for i in range(start, end):
             token = tokens[i]
             for m in self.lengths:
                 if m > i:
                     continue
                 key = tuple(tokens[i - m:i])
                 counts = self.next_counts.setdefault(key, {})
-                counts[token] = counts.get(token, 0) + 1
-                self.inserted.append((key, token))
-        state.inserted = len(tokens)
-        while len(self.inserted) > self.capacity:
-            self._remove(*self.inserted.popleft())
-
-    def _remove(self, key: tuple[int, ...], token: int) -> None:
-        counts = self.next_counts[key]
-        counts[token] -= 1
-        if not counts[token]:
-            del counts[token]
-            if not counts:
-                del self.next_counts[key]
+                counts[token] = counts.get(token, 0) + change
+                if not counts[token]:
+                    del counts[token]
+                    if not counts:
+                        del self.next_counts[key]
 
 
 DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}

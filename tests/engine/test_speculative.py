@@ -250,6 +250,15 @@ def test_suffix_drafter_follows_the_most_frequent_continuation_across_requests()
         "the trie holds outputs, not prompts")
 
 
+def test_suffix_drafter_forgets_the_oldest_outputs_past_its_capacity():
+    drafter = SuffixDrafter(depth=2, capacity=3)
+    drafter.propose(output_sequence(0, [1], [2, 3, 4]), 1)
+    assert drafter.propose(Sequence(1, [0, 2, 3], SamplingParams(), 64), 1) == [4]
+    drafter.propose(output_sequence(2, [9], [5, 6, 7]), 1)
+    assert drafter.propose(Sequence(3, [0, 2, 3], SamplingParams(), 64), 1) == []
+    assert drafter.next_counts == {(9, 5): {6: 1}, (5, 6): {7: 1}}, "only the newest outputs' counts are left"
+
+
 @pytest.mark.parametrize("raw, parsed", [("off", ("off", 0)), ("ngram", ("ngram", 4)), ("suffix:k=7", ("suffix", 7)),
                                          (" NGRAM:k=2 ", ("ngram", 2))])
 def test_speculative_setting_parses(raw, parsed):
