@@ -86,7 +86,7 @@ class Speculator:
             return True
         if not self.may_draft(len(running)):
             return False
-        if not self.modes.setdefault(len(running).bit_length(), ModeRecord()).choose():
+        if not self._record(len(running)).choose():
             return False  # first, as it is cheap: a large batch that drafts no more costs no loop over it
         return sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
                    if can_draft(seq)) >= MIN_EXPECTED_GAIN * len(running)
@@ -124,12 +124,20 @@ class Speculator:
         now = time.perf_counter()
         if decoding and self.last_mode is drafting and self.last_step_end is not None:
             rate = num_tokens / max(now - self.last_step_end, 1e-9) / num_running
-            self.modes.setdefault(num_running.bit_length(), ModeRecord()).record(drafting, rate)
+            self._record(num_running).record(drafting, rate)
         self.last_step_end, self.last_mode = now, drafting if decoding else None
 
     def step_skipped(self) -> None:
         """A step of a batch too large to draft: the next step's time is not measured from its end."""
         self.last_mode = None
+
+    def _record(self, num_running: int) -> ModeRecord:
+        """The mode record of a batch of this size (made on first use)."""
+        bucket = num_running.bit_length()
+        record = self.modes.get(bucket)
+        if record is None:
+            record = self.modes[bucket] = ModeRecord()
+        return record
 
     def stats(self) -> dict:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
