@@ -3,54 +3,101 @@ one step (engine/speculation.py). A drafter has
 
     propose(seq, k) -> list[int]   up to k tokens likely to follow seq.token_ids (may be fewer, or none)
 
-keeping what it knows of a request in seq.draft_state.
+keeping what it knows of a request in seq.draft_state. It learns a request's tokens only when it proposes for
+it, catching up on those added since: a step that does not draft costs a drafter nothing.
 
 Prompt lookup (NgramDrafter) matches the last few tokens of the request against its own prompt and output and
 proposes what followed the latest earlier occurrence: outputs that copy their prompt (code edits, summaries,
-retrieval answers) are guessed many tokens at a time. SuffixDrafter keeps a depth-limited suffix trie over
-the recent prompts and outputs of all requests and follows the most frequent continuation of the longest
-suffix of the request it finds there, so repeated answers across requests are guessed too.
+retrieval answers) are guessed many tokens at a time. SuffixDrafter does the same over the request's own
+tokens and, where they hold no match, follows a depth-limited suffix trie over the recent outputs of all
+requests, so answers repeated across requests are guessed too (as in suffix decoding).
 """
+from array import array
 from collections import deque
+
+TOKEN_BYTES = array("i").itemsize  # a token id as a native int in a request's byte string
+
+
+class TokenBytes:
+    """A request's tokens as one byte string, extended with the tokens added since its last use, so that a
+    match of the last n tokens is a search in C (bytearray.rfind) rather than an index kept per token."""
+
+    __slots__ = ("data", "length")
+
+    def __init__(self):
+        self.data, self.length = bytearray(), 0
+
+    def catch_up(self, tokens: list[int]) -> None:
+        if len(tokens) > self.length:
+            self.data += array("i", tokens[self.length:]).tobytes()
+            self.length = len(tokens)
+
+    def latest_match(self, n: int) -> int | None:
+        """Where the token after the latest earlier occurrence of the last n tokens is, or None."""
+        width = n * TOKEN_BYTES
+        pattern = bytes(self.data[-width:])
+        end = len(self.data) - TOKEN_BYTES  # an earlier occurrence ends before the last token
+        while (found := self.data.rfind(pattern, 0, end)) >= 0:
+            if found % TOKEN_BYTES == 0:  # aligned on a token, not straddling two
+                return found // TOKEN_BYTES + n
+            end = found + width - 1
+        return None
 
 
 class NgramDrafter:
-    """Prompt lookup. Each request keeps, per n-gram length, where each n-gram of its tokens last ended,
-    updated with the tokens added since its last proposal, so a proposal costs a few dictionary lookups."""
+    """Prompt lookup: the longest of the request's last max_n..min_n tokens that occurred before, and what
+    followed its latest occurrence."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.lengths = range(max_n, min_n - 1, -1)  # longest match first
 
     def propose(self, seq, k: int) -> list[int]:
-        tokens = seq.token_ids
-        state = seq.draft_state
-        if state is None:
-            state = seq.draft_state = [{n: {} for n in self.lengths}, 0]
-        ends, indexed = state
-        for end in range(max(indexed, 1), len(tokens)):  # n-grams that end before the last token
-            for n, index in ends.items():
-                if end >= n:
-                    index[tuple(tokens[end - n:end])] = end
-        state[1] = len(tokens)
-        for n, index in ends.items():
-            end = index.get(tuple(tokens[-n:])) if len(tokens) > n else None
-            if end is not None:
-                return tokens[end:end + k]
+        if seq.draft_state is None:
+            seq.draft_state = TokenBytes()
+        return self.lookup(seq.token_ids, seq.draft_state, k)
+
+    def lookup(self, tokens: list[int], known: TokenBytes, k: int) -> list[int]:
+        known.catch_up(tokens)
+        for n in self.lengths:
+            if len(tokens) > n and (start := known.latest_match(n)) is not None:
+                return tokens[start:start + k]
         return []
 
 
+class SuffixState:
+    """What SuffixDrafter knows of a request: its tokens for prompt lookup, and how many the trie holds."""
+
+    __slots__ = ("tokens", "inserted")
+
+    def __init__(self, num_prompt_tokens: int):
+        self.tokens, self.inserted = TokenBytes(), num_prompt_tokens  # the trie takes outputs only
+
+
 class SuffixDrafter:
-    """A suffix trie of depth `depth` over recent token streams, stored as the counts of each token following
-    each context of 1..depth tokens; the oldest `capacity` insertions are forgotten first. A proposal walks
-    from the longest context that matches the request's tokens, taking the most frequent next token each time."""
+    """Prompt lookup first; else a suffix trie of depth `depth` over recent outputs, stored as the counts of
+    each token following each context of depth, depth/2, ... min_match tokens (halving, so that a token costs
+    a few insertions, not one per length); the oldest outputs are forgotten once the trie holds more than
+    `capacity` output tokens. A proposal from the trie walks from the longest context that matches the
+    request's tokens, taking the most frequent next token each time.
+
+    What was inserted is remembered as spans of requests' token lists, one per proposal, not per count: an
+    object per inserted count would make Python's garbage collector walk them all, again and again."""
 
     def __init__(self, depth: int = 8, capacity: int = 1 << 20, min_match: int = 2):
-        self.depth, self.capacity, self.min_match = depth, capacity, min_match
+        self.depth, self.capacity = depth, capacity
+        self.lengths = [depth >> i for i in range(depth.bit_length()) if depth >> i >= min_match]  # longest first
+        self.own = NgramDrafter()
         self.next_counts: dict[tuple[int, ...], dict[int, int]] = {}
-        self.inserted: deque[tuple[tuple[int, ...], int]] = deque()
+        self.spans: deque[tuple[list[int], int, int]] = deque()  # (a request's tokens, start, end), oldest first
+        self.num_inserted = 0  # output tokens the spans hold
 
     def propose(self, seq, k: int) -> list[int]:
-        self._insert(seq)
+        if seq.draft_state is None:
+            seq.draft_state = SuffixState(seq.num_prompt_tokens)
+        own = self.own.lookup(seq.token_ids, seq.draft_state.tokens, k)
+        self._insert(seq.token_ids, seq.draft_state)
+        if own:
+            return own
         context = seq.token_ids[-self.depth:]
         draft: list[int] = []
         match = self.depth
@@ -65,34 +112,41 @@ class SuffixDrafter:
     def _continuation(self, context: list[int], longest: int) -> tuple[int | None, int]:
         """The most frequent token after the longest suffix of context (at most `longest` tokens) the trie
         holds, and that suffix's length."""
-        for m in range(min(longest, self.depth, len(context)), self.min_match - 1, -1):
-            counts = self.next_counts.get(tuple(context[-m:]))
-            if counts:
+        for m in self.lengths:
+            if m <= longest and m <= len(context) and (counts := self.next_counts.get(tuple(context[-m:]))):
                 return max(counts, key=counts.__getitem__), m
         return None, 0
 
-    def _insert(self, seq) -> None:
-        """Adds the request's tokens since its last proposal, each under the contexts of 1..depth tokens
-        before it."""
-        tokens, start = seq.token_ids, seq.draft_state or 1
-        for i in range(start, len(tokens)):
+    def _insert(self, tokens: list[int], state: SuffixState) -> None:
+        """Adds the request's output tokens since its last proposal, then forgets the oldest spans past
+        capacity."""
+        start, end = state.inserted, len(tokens)
+        if start >= end:
+            return
+        self._count(tokens, start, end, 1)
+        self.spans.append((tokens, start, end))
+        self.num_inserted += end - start
+        state.inserted = end
+        while self.num_inserted > self.capacity:
+            old_tokens, old_start, old_end = self.spans.popleft()
+            self._count(old_tokens, old_start, old_end, -1)
+            self.num_inserted -= old_end - old_start
+
+    def _count(self, tokens: list[int], start: int, end: int, change: int) -> None:
+        """Adds `change` to the count of each token of tokens[start:end] under its contexts of the trie's
+        lengths, dropping counts that reach zero."""
+        for i in range(start, end):
             token = tokens[i]
-            for m in range(1, min(self.depth, i) + 1):
+            for m in self.lengths:
+                if m > i:
+                    continue
                 key = tuple(tokens[i - m:i])
                 counts = self.next_counts.setdefault(key, {})
-                counts[token] = counts.get(token, 0) + 1
-                self.inserted.append((key, token))
-        seq.draft_state = len(tokens)
-        while len(self.inserted) > self.capacity:
-            self._remove(*self.inserted.popleft())
-
-    def _remove(self, key: tuple[int, ...], token: int) -> None:
-        counts = self.next_counts[key]
-        counts[token] -= 1
-        if not counts[token]:
-            del counts[token]
-            if not counts:
-                del self.next_counts[key]
+                counts[token] = counts.get(token, 0) + change
+                if not counts[token]:
+                    del counts[token]
+                    if not counts:
+                        del self.next_counts[key]
 
 
 DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}

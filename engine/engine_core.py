@@ -173,11 +173,19 @@ class EngineCore:
         return drafting
 
     def _measure(self, launched: LaunchedStep, sampled: list, drafting: bool) -> None:
-        """Counts a step's verified drafts and times it for the speculator's choice of mode."""
+        """Counts a step's verified drafts and times it for the speculator's choice of mode; a step of a batch
+        too large to draft is not measured (it costs nothing per request)."""
         if launched.drafts is not None:
             self.speculator.verified(launched.seqs, sampled)
-        decoding = decoding_only(launched.seqs, launched.num_tokens)
-        num_tokens = sum(len(tokens) if isinstance(tokens, list) else tokens is not None for tokens in sampled)
+        if not self.speculator.may_draft(len(launched.seqs)):
+            self.speculator.step_skipped()
+            return
+        if drafting:
+            decoding = decoding_only(launched.seqs, launched.num_tokens)
+            num_tokens = sum(len(tokens) if isinstance(tokens, list) else tokens is not None for tokens in sampled)
+        else:  # no request verifies a draft: a decoding step computes one token per request
+            decoding = launched.num_tokens.count(1) == len(launched.num_tokens)
+            num_tokens = len(sampled) - sampled.count(None)
         self.speculator.step_done(len(launched.seqs), drafting, decoding, num_tokens)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:

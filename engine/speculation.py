@@ -10,10 +10,15 @@ hides, and its extra tokens cost compute that a large batch does not have spare.
 So speculation backs off by itself, per step:
 - per request, k follows its recent acceptance: the expected run of accepted tokens at that rate, plus one;
 - per step, a batch whose requests expect too few accepted tokens does not draft, and the drafts of a step
-  fit into one decode step of max_num_seqs rows (a row per token), so large batches draft little or nothing;
+  fit into one decode step of max_num_seqs rows (a row per token); a batch of more than half that many
+  requests never drafts (most of its requests would get no draft, all of them would lose the overlap), and
+  costs the speculator nothing per step: no measurement, no loop over its requests, no drafter bookkeeping
+  (a drafter learns a request's tokens only when it proposes for it);
 - per batch size (batches of 2^(b-1)..2^b - 1 requests share a record), decoding steps measure output
-  tokens per second with and without drafting, and the faster mode runs; the slower is tried again now and
-  then (less often each time it loses), since acceptance and batch composition change.
+  tokens per second and running request with and without drafting, and the faster mode runs; the slower is
+  tried again now and then (less often each time it loses), since acceptance and batch composition change.
+  Per request, since within a record the batch shrinks as requests finish: a step's time grows far less
+  than its batch, so a rate per request compares the two modes across sizes better than a rate per step.
 """
 import math
 import time
@@ -79,12 +84,16 @@ class Speculator:
         """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
         if not self.adaptive:
             return True
-        if len(running) >= self.max_rows:  # no row is left for a draft token
+        if not self.may_draft(len(running)):
             return False
-        if not self.modes.setdefault(len(running).bit_length(), ModeRecord()).choose():
+        if not self._record(len(running)).choose():
             return False  # first, as it is cheap: a large batch that drafts no more costs no loop over it
         return sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
                    if can_draft(seq)) >= MIN_EXPECTED_GAIN * len(running)
+
+    def may_draft(self, num_running: int) -> bool:
+        """Whether a batch this large leaves every request a row for a draft token, on average."""
+        return 2 * num_running <= self.max_rows
 
     def propose(self, running: list[Sequence]) -> None:
         """Gives each decoding request that may draft its draft tokens for the next step, oldest first while the
@@ -109,14 +118,26 @@ class Speculator:
             seq.acceptance = ACCEPTANCE_MEMORY * seq.acceptance + (1 - ACCEPTANCE_MEMORY) * accepted / drafted
 
     def step_done(self, num_running: int, drafting: bool, decoding: bool, num_tokens: int) -> None:
-        """Measures a finished step: output tokens per second since the last one ended, recorded for its batch
-        size and mode when it only decoded and the step before ran in the same mode (a switch's first step
-        pays for the switch)."""
+        """Measures a finished step: output tokens per second and request since the last one ended, recorded
+        for its batch size and mode when it only decoded and the step before ran in the same mode (a switch's
+        first step pays for the switch)."""
         now = time.perf_counter()
         if decoding and self.last_mode is drafting and self.last_step_end is not None:
-            rate = num_tokens / max(now - self.last_step_end, 1e-9)
-            self.modes.setdefault(num_running.bit_length(), ModeRecord()).record(drafting, rate)
+            rate = num_tokens / max(now - self.last_step_end, 1e-9) / num_running
+            self._record(num_running).record(drafting, rate)
         self.last_step_end, self.last_mode = now, drafting if decoding else None
+
+    def step_skipped(self) -> None:
+        """A step of a batch too large to draft: the next step's time is not measured from its end."""
+        self.last_mode = None
+
+    def _record(self, num_running: int) -> ModeRecord:
+        """The mode record of a batch of this size (made on first use)."""
+        bucket = num_running.bit_length()
+        record = self.modes.get(bucket)
+        if record is None:
+            record = self.modes[bucket] = ModeRecord()
+        return record
 
     def stats(self) -> dict:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}

@@ -225,12 +225,38 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert NgramDrafter().propose(Sequence(1, [1, 2, 3, 4], SamplingParams(), 64), 3) == []
 
 
+def test_ngram_drafter_matches_whole_tokens_only():
+    """A token's bytes can repeat across two tokens; only a match aligned on tokens counts."""
+    straddling = [1 << 24, 2 << 24, 0]  # native bytes 00 00 00 01 | 00 00 00 02 | 00 00 00 00
+    seq = Sequence(0, [1, 2, 7, *straddling, 9, 1, 2], SamplingParams(), 64)
+    assert NgramDrafter().propose(seq, 2) == [7, 1 << 24]
+
+
+def output_sequence(request_id: int, prompt: list[int], output: list[int]) -> Sequence:
+    seq = Sequence(request_id, prompt, SamplingParams(), 64)
+    seq.token_ids += output
+    return seq
+
+
 def test_suffix_drafter_follows_the_most_frequent_continuation_across_requests():
     drafter = SuffixDrafter(depth=4)
-    drafter.propose(Sequence(0, [1, 2, 3, 4, 5, 9, 9], SamplingParams(), 64), 1)
-    drafter.propose(Sequence(1, [7, 2, 3, 4, 5, 6, 8], SamplingParams(), 64), 1)
-    drafter.propose(Sequence(2, [8, 3, 4, 5, 6, 1], SamplingParams(), 64), 1)
+    drafter.propose(output_sequence(0, [1], [2, 3, 4, 5, 9, 9]), 1)
+    drafter.propose(output_sequence(1, [7], [2, 3, 4, 5, 6, 8]), 1)
+    drafter.propose(output_sequence(2, [8], [3, 4, 5, 6, 1]), 1)
     assert drafter.propose(Sequence(3, [0, 0, 3, 4], SamplingParams(), 64), 3) == [5, 6, 8]
+    assert drafter.propose(output_sequence(4, [3, 4, 5, 6, 1, 3, 4, 5, 2], [3, 4]), 3) == [5, 2, 3], (
+        "a request's own tokens come first")
+    assert drafter.propose(Sequence(5, [9, 0, 6, 1], SamplingParams(), 64), 2) == [], (
+        "the trie holds outputs, not prompts")
+
+
+def test_suffix_drafter_forgets_the_oldest_outputs_past_its_capacity():
+    drafter = SuffixDrafter(depth=2, capacity=3)
+    drafter.propose(output_sequence(0, [1], [2, 3, 4]), 1)
+    assert drafter.propose(Sequence(1, [0, 2, 3], SamplingParams(), 64), 1) == [4]
+    drafter.propose(output_sequence(2, [9], [5, 6, 7]), 1)
+    assert drafter.propose(Sequence(3, [0, 2, 3], SamplingParams(), 64), 1) == []
+    assert drafter.next_counts == {(9, 5): {6: 1}, (5, 6): {7: 1}}, "only the newest outputs' counts are left"
 
 
 @pytest.mark.parametrize("raw, parsed", [("off", ("off", 0)), ("ngram", ("ngram", 4)), ("suffix:k=7", ("suffix", 7)),
@@ -317,6 +343,7 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     for seq in seqs:
         seq.num_computed_tokens = 2
     assert not speculator.decide(seqs), "no row is left for a draft token"
+    assert not speculator.decide(seqs[:3]), "most requests would get no row for a draft token"
     assert speculator.decide(seqs[:2])
     for seq in seqs[:2]:
         seq.acceptance = 0.01
