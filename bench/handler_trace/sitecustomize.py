@@ -56,10 +56,10 @@ def install() -> None:
         return traced
 
     def encode(original):
-        def traced(data, model):
+        def traced(data, model, *args):
             events.append((now(), "encode_start", threading.get_ident()))
             try:
-                return original(data, model)
+                return original(data, model, *args)
             finally:
                 events.append((now(), "encode_end", threading.get_ident()))
         return traced
