@@ -9,6 +9,7 @@ with one token in two drafts corrupted: many tokens accepted, many rejected. Tak
 token as computed breaks the KV cache and leaks blocks. The rejection rule's output distribution is the
 model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
 from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
+from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.speculation import ModeRecord, Speculator
@@ -298,6 +300,7 @@ def test_the_worker_streams_every_verified_token_with_its_logprobs(tiny_llama, p
         worker.shutdown()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in graphs count their replays; a GPU's real ones don't")
 def test_verification_steps_replay_the_graphs_of_their_padded_shapes(tiny_llama, prompts, plain):
     """On the CPU, stand-in graphs run the forward on the padded buffers a GPU graph replays: verifications
     as decode rows pad to the decode graph of their token count, mixed ones to a prefill graph."""
@@ -360,3 +363,14 @@ def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_wind
     assert outputs(llm, prompts, params) == expected
     assert llm.core.stats()["spec_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_a_gpu_engine_refuses_drafts_over_sliding_window_layers():
+    windowed = SimpleNamespace(sliding_window=8, layer_types=None, num_hidden_layers=2)
+    full = SimpleNamespace(sliding_window=None, layer_types=None, num_hidden_layers=2)
+    config = EngineConfig(model="-", device="cpu", speculative="ngram")
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=windowed))
+    with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE=ngram is not supported yet on a GPU"):
+        check_speculation(config, on_gpu)
+    check_speculation(config, SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=full)))
+    check_speculation(config, SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=windowed)))
