@@ -122,13 +122,7 @@ class Server:
         return self.access_log.stat().st_size
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 async def wait_for_health(session: aiohttp.ClientSession, server: Server) -> None:
@@ -343,6 +337,17 @@ def model_path(name: str, device: str | None) -> Path:
 
     from random_model import make_random_model
     return Path(make_random_model(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within a minute."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def main() -> None:

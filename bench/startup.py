@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve import chat_body, client_session, served_model_dir, stream_chat
+from serve import chat_body, client_session, served_model_dir, stop_process, stream_chat
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -124,13 +124,7 @@ class Process:
         return time.perf_counter() - self.started
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         for reader in self._readers:
             reader.join(5)
 
