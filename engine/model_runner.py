@@ -24,7 +24,8 @@ from engine.constraints import TokenMasks
 from engine.cuda_graphs import CudaGraphs
 from engine.embedding import forward_decoder
 from engine.kv_cache import allocate_kv_cache
-from engine.sampler import Sampler
+from engine.prompt_logprobs import PromptLogitRows, compute_prompt_logprobs, prompt_logit_rows, record_prompt_logprobs
+from engine.sampler import Sampler, logprob_entry
 from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
 from engine.step_inputs import StagedStep, StepBuffers
@@ -45,6 +46,8 @@ class LaunchedStep:
     logits: Tensor | None = None  # of the sampling rows, until sample() has used them
     logprobs: Tensor | None = None  # sampler.top_logprobs of the rows that ask (logprob_rows), beside ids
     logprob_rows: list[int] | None = None
+    prompt_rows: PromptLogitRows | None = None  # the rows whose logits give prompt logprobs (engine/prompt_logprobs.py)
+    prompt_logprobs: Tensor | None = None  # theirs, beside ids
 
     @property
     def deferred(self) -> bool:
@@ -103,14 +106,16 @@ class ModelRunner:
         launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
         to sample() once that one has been applied."""
         staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens), ahead, follows)
-        logits = self.collective("execute", staged)
+        prompt_rows = prompt_logit_rows(seqs, num_tokens, ahead)
+        logits, prompt_logprobs = self.collective("execute", staged, prompt_rows)
         if not staged.sample_rows:
-            return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
+            return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True, prompt_rows=prompt_rows,
+                                prompt_logprobs=prompt_logprobs)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
         drawn_ahead = [1] * len(follows) + [0] * (len(sampling) - len(follows))  # the leading rows all sample
         plan = self.sampler.plan_for(sampling)
         step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, not plan.penalised, sampling,
-                            drawn_ahead, logits)
+                            drawn_ahead, logits, prompt_rows=prompt_rows, prompt_logprobs=prompt_logprobs)
         if ahead is None or not plan.constrained:
             self.sample(step)
         return step
@@ -135,6 +140,8 @@ class ModelRunner:
         logprobs (the sampled token's, the top ids, theirs; None where not asked), or None when none asked."""
         if step.ready is not None:
             step.ready.synchronize()
+        if step.prompt_logprobs is not None:
+            record_prompt_logprobs(step.seqs, step.prompt_rows, step.prompt_logprobs.cpu())
         sampled = [None] * len(step.seqs)
         if step.ids is not None:
             for row, token_id in zip(step.sample_rows, step.ids.tolist()):
@@ -147,9 +154,7 @@ class ModelRunner:
         per_seq = [None] * len(step.seqs)
         sampling = step.sampling
         for row, values in zip(step.logprob_rows, step.logprobs.tolist()):
-            k, width = sampling[row].params.logprobs, (len(values) - 1) // 2
-            top_ids = [int(token_id) for token_id in values[1 + width:1 + width + k]]
-            per_seq[step.sample_rows[row]] = (values[0], top_ids, values[1:1 + k])
+            per_seq[step.sample_rows[row]] = logprob_entry(values, sampling[row].params.logprobs)
         return per_seq
 
     def _to_host(self, ids: Tensor, logprobs: Tensor | None) -> tuple[Tensor, Tensor | None,
@@ -169,9 +174,11 @@ class ModelRunner:
         return id_buffer, logprob_buffer if logprobs is not None else None, ready
 
     @torch.inference_mode()
-    def execute(self, staged: StagedStep) -> Tensor | None:
-        """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay),
-        and the logits of the rows that sample (on rank 0; None elsewhere and when no row samples)."""
+    def execute(self, staged: StagedStep, prompt_rows: PromptLogitRows | None = None
+                ) -> tuple[Tensor | None, Tensor | None]:
+        """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay), the
+        logits of the rows that sample and the prompt logprobs of prompt_rows (on rank 0; None elsewhere, when no
+        row samples and when no request asks)."""
         if not self.is_driver:
             self.buffers.restage(staged)
         step = self.buffers.upload(staged)
@@ -181,7 +188,8 @@ class ModelRunner:
             hidden = self.graphs.replay(staged.graph)
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
-        return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+        logits = self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+        return logits, compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else None
 
     def _take_sampled_ids(self, ids: Tensor) -> None:
         """Input ids staged as rows of the last step's sampled ids become those ids on the device; rank 0,

@@ -31,6 +31,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list | None = None  # per new token, when the request asks: (its logprob, top ids, their logprobs)
+    prompt_logprobs: list | None = None  # on the first output of a request that asks: per prompt token, as logprobs
+    #                                      (None for the first token)
 
 
 @dataclass
@@ -240,9 +242,10 @@ class Worker:
             if request is None or (token_id is None and not seq.is_finished):
                 continue
             logprobs = seq.logprobs[-1:] if token_id is not None and seq.params.logprobs is not None else None
+            first = token_id is not None and seq.num_output_tokens == 1
             output = RequestOutput(seq.request_id, [] if token_id is None else [token_id], seq.finish_reason,
                                    seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                                   logprobs)
+                                   logprobs, seq.prompt_logprobs if first else None)
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:
