@@ -2,8 +2,8 @@
 
     python -m front [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- HANDLER_CMD...
 
-Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions (SSE when
-"stream": true), POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the
+Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions and POST /v1/completions
+(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the
 handler as `data`; a client that disconnects mid-stream makes the front send `cancel`. Port 0 picks a free
 port; the address is logged as "listening on http://HOST:PORT".
 
@@ -31,6 +31,7 @@ from aiohttp import web
 
 from daemon_protocol.log import error
 
+from .completions import CompletionReply, stream_choice as completion_choice
 from .handler_connection import CHAT_QUEUE_CHUNKS, HandlerConnection, HandlerError, HandlerGone, UnencodableRequest
 from .handler_health import HEALTH_TIMEOUT_S, HandlerHealth
 from .metrics import CONTENT_TYPE, ServingMetrics
@@ -188,6 +189,10 @@ def validate_chat(body: dict) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    validate_stream_fields(body)
+
+
+def validate_stream_fields(body: dict) -> None:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     optional_type(body, "stream_options", dict, "an object")
@@ -208,9 +213,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         **({"usage": reply.usage} if reply.usage else {})})
 
 
-async def open_chat(request: web.Request, data: dict):
+async def open_chat(request: web.Request, data: dict, name: str = "chat_completions"):
+    """A streaming handler call: chat_completions, or completions (same chunk contract)."""
     connection = request.app[CONNECTION]
-    stream = connection.open("chat_completions", data, CHAT_QUEUE_CHUNKS)
+    stream = connection.open(name, data, CHAT_QUEUE_CHUNKS)
     await connection.drain()
     return stream
 
@@ -236,10 +242,11 @@ async def chat_chunks(request: web.Request, stream):
             return
 
 
-async def complete_chat(request: web.Request, data: dict) -> ChatReply:
-    """Every chunk gathered into its choice (content concatenated); the last finish_reason and usage."""
-    stream = await open_chat(request, data)
-    reply = ChatReply()
+async def complete_chat(request: web.Request, data: dict, name: str = "chat_completions", reply=None):
+    """Every chunk gathered into its choice (content concatenated); the last finish_reason and usage. reply: a
+    CompletionReply for name "completions"."""
+    stream = await open_chat(request, data, name)
+    reply = reply or ChatReply()
     try:
         async for payload in chat_chunks(request, stream):
             reply.add(payload)
@@ -252,12 +259,15 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
-    """SSE: one chat.completion.chunk per reply chunk. The response starts with the first chunk, so
-    a request the handler rejects at once still gets a plain HTTP error with the reply's status."""
-    stream = await open_chat(request, body)
+async def stream_chat(request: web.Request, body: dict, name: str = "chat_completions") -> web.StreamResponse:
+    """SSE: one chat.completion.chunk (for name "completions", text_completion) per reply chunk. The response
+    starts with the first chunk, so a request the handler rejects at once still gets a plain HTTP error with the
+    reply's status."""
+    stream = await open_chat(request, body, name)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
+    chat = name == "chat_completions"
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time())}
     response = None
     usage = None
     started = set()  # choices that have had their first delta
@@ -265,7 +275,7 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
         chunks = chat_chunks(request, stream)
         try:
             async for payload in chunks:
-                choice = stream_choice(payload, started)
+                choice = stream_choice(payload, started) if chat else completion_choice(payload)
                 if response is None:
                     base["model"] = model_name(request)
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -289,6 +299,18 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
         return response
     finally:
         stream.close()  # sends `cancel` when the client went away before the last chunk
+
+
+# Legacy completions (the handler's `completions` call, docs/completions.md)
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    validate_stream_fields(body)
+    if body.get("stream"):
+        return await stream_chat(request, body, "completions")
+    reply = await complete_chat(request, body, "completions", CompletionReply())
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": model_name(request), "choices": reply.choices(), **({"usage": reply.usage} if reply.usage else {})})
 
 
 # Embeddings
@@ -399,6 +421,7 @@ def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
     return app

@@ -22,6 +22,7 @@ from daemon_protocol import RequestError
 from engine import Worker
 from handler.chat import ChatModel, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
+from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.settings import HandlerSettings
@@ -91,6 +92,19 @@ class Service:
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
             async for chunk in self.replies.stream(self.worker, request, request_id, log):
+                yield chunk
+
+    async def completions(self, data):
+        """Legacy completions (docs/completions.md): raw prompts, echo, prompt logprobs; streams reply chunks, the
+        last one with finish_reason and usage."""
+        request_id = f"cmpl-{next(self._request_ids)}"
+        with logged_request(request_id, "completions") as log, self.engine_errors():
+            if self.worker.kind != "decoder":
+                raise RequestError(f"{self.model_name} is not a generative model: it serves no completions")
+            request = await self.encode(lambda chat_model: parse_completion_request(data, chat_model))
+            log.prompt_tokens = sum(len(prompt.prompt_token_ids) for prompt in request.prompts)
+            self.start_engine_report()
+            async for chunk in stream_completion(self.replies, self.worker, request, request_id, log):
                 yield chunk
 
     async def tokenize(self, data):
