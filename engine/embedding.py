@@ -85,8 +85,10 @@ class Embedder:
     max_seq_length its pooling config sets; longer inputs are refused (truncation is the caller's choice)."""
 
     def __init__(self, forward: Forward, pooling: PoolingConfig, model_limit: int, max_batch_tokens: int,
-                 hidden_size: int, vocab_size: int):
-        self.forward, self.pooling = forward, pooling
+                 hidden_size: int, vocab_size: int, head: Callable[[Tensor], Tensor] | None = None):
+        """head: what turns pooled vectors into the outputs (a cross-encoder's classifier: hidden_size is then its
+        number of labels); None: the pooled vectors are the outputs."""
+        self.forward, self.pooling, self.head = forward, pooling, head
         self.max_model_len = min(model_limit, pooling.max_seq_length or model_limit)
         self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -113,6 +115,15 @@ class Embedder:
                 embedder.embed([[0] * length])
         return embedder
 
+    @classmethod
+    def for_classifier(cls, config, loaded) -> "Embedder":
+        """A cross-encoder's scorer: the classifier head's logits [n, num_labels] from each pair's first token."""
+        model = loaded.model
+        return cls(lambda batch: forward_encoder(model, batch), PoolingConfig("cls", normalize=False,
+                                                                              max_seq_length=None),
+                   min(config.max_model_len, model.max_positions), config.max_embedding_batch_tokens,
+                   model.num_labels, loaded.hf_config.vocab_size, head=model.classify)
+
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:
         """One float32 vector per input [n, H] on the CPU, in the order given; bad input -> ValueError."""
@@ -121,6 +132,7 @@ class Embedder:
         for group in longest_first_batches(token_lists, self.max_batch_tokens):
             hidden, cu_seqlens = self.forward([token_lists[i] for i in group])
             vectors = pool(hidden, cu_seqlens, self.pooling.mode)
+            vectors = self.head(vectors) if self.head is not None else vectors
             normalized = F.normalize(vectors, dim=-1) if self.pooling.normalize else vectors
             out[torch.tensor(group)] = normalized.float().cpu()
         return out

@@ -59,8 +59,10 @@ class Worker:
         self.kind, self.model_dir = loaded.kind, loaded.model_dir
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
-        if self.kind == "encoder":
-            self.core, self.embedder = None, Embedder.for_encoder(config, loaded)
+        if self.kind in ("encoder", "classifier"):  # a classifier's "embeddings" are its logits
+            self.core = None
+            self.embedder = (Embedder.for_classifier if self.kind == "classifier" else Embedder.for_encoder)(config,
+                                                                                                            loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
         else:
             self.core = EngineCore(config, loaded, self.ranks)

@@ -25,6 +25,7 @@ from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
+from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
 
@@ -107,6 +108,24 @@ class Service:
             async for chunk in stream_completion(self.replies, self.worker, request, request_id, log):
                 yield chunk
 
+    async def score(self, data):
+        """Cross-encoder scores of text pairs (handler/scoring.py, docs/scoring.md)."""
+        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors():
+            if self.worker.kind != "classifier":
+                raise RequestError(f"{self.model_name} is not a cross-encoder (a sequence-classification model): it "
+                                   "scores no text pairs")
+            num_labels = self.worker.embedder.hidden_size  # a classifier's outputs are its logits
+            if num_labels != 1:
+                raise RequestError(f"{self.model_name} classifies into {num_labels} labels; scoring needs a "
+                                   "cross-encoder with one")
+            request = parse_score_request(data)
+            limit = self.worker.max_embedding_tokens
+            token_lists = await self.encode(lambda chat_model: pair_token_ids(chat_model.tokenizer, request, limit))
+            log.prompt_tokens = sum(map(len, token_lists))
+            logits = await self.worker.embed(token_lists)
+            return {"scores": scores(logits, request.raw_scores),
+                    "usage": {"prompt_tokens": log.prompt_tokens, "total_tokens": log.prompt_tokens}}
+
     async def tokenize(self, data):
         """Token ids of each input string; longer than the model's embedding limit is an error unless
         `truncate_prompt_tokens` asks to keep the last tokens (engine/embedding.py, docs/errors.md)."""
@@ -130,6 +149,9 @@ class Service:
         """Pooled vectors of token id lists; with `truncate_prompt_tokens` the reply also says how many
         tokens were embedded (`usage`), since inputs may have been cut."""
         with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors():
+            if self.worker.kind == "classifier":
+                raise RequestError(f"{self.model_name} is a cross-encoder: it scores text pairs (score, rerank), it "
+                                   "does not embed")
             token_lists = field(data, "input")
             if not isinstance(token_lists, list) or not token_lists:
                 raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}",
@@ -149,7 +171,16 @@ class Service:
 
     async def models(self, data):
         return {"id": self.model_name, "kind": self.worker.kind, "max_model_len": self.worker.max_model_len,
-                "hidden_size": self.worker.hidden_size}
+                "hidden_size": self.worker.hidden_size, "capabilities": self.capabilities()}
+
+    def capabilities(self) -> list[str]:
+        """What the served model does, by the front's names: chat (with a chat template), completions and
+        embeddings for a decoder, embeddings for an encoder, score (score and rerank) for a cross-encoder."""
+        if self.worker.kind == "classifier":
+            return ["score"]
+        if self.worker.kind == "encoder":
+            return ["embeddings"]
+        return [*(["chat"] if self.chat_model.tokenizer.chat_template else []), "completions", "embeddings"]
 
     async def stats(self, data):
         return self.worker.stats()
