@@ -3,7 +3,8 @@
     python -m front [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- HANDLER_CMD...
 
 Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions and POST /v1/completions
-(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses. The whole chat request body is forwarded to the
+(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses, POST /v1/score, POST /v1/rerank and TEI's
+POST /rerank (cross-encoders). The whole chat request body is forwarded to the
 handler as `data`; a client that disconnects mid-stream makes the front send `cancel`. Port 0 picks a free
 port; the address is logged as "listening on http://HOST:PORT".
 
@@ -36,6 +37,19 @@ from .handler_connection import CHAT_QUEUE_CHUNKS, HandlerConnection, HandlerErr
 from .handler_health import HEALTH_TIMEOUT_S, HandlerHealth
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .openai_chat import ChatReply, stream_choice
+from .scoring import (
+    RERANK_PARAMS,
+    TEI_PARAMS,
+    ScoringInputError,
+    checked_scores,
+    flags,
+    rerank_call,
+    rerank_options,
+    rerank_results,
+    score_call,
+    score_data,
+    tei_results,
+)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
@@ -88,9 +102,10 @@ async def count_requests(request: web.Request, handler):
 
 @web.middleware
 async def openai_errors(request: web.Request, handler):
-    """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes."""
+    """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes and TEI's /rerank."""
     key = request.app[SETTINGS]["api_key"]
-    if key and request.path.startswith("/v1/") and not bearer_matches(request.headers.get("Authorization", ""), key):
+    guarded = request.path.startswith("/v1/") or request.path == "/rerank"
+    if key and guarded and not bearer_matches(request.headers.get("Authorization", ""), key):
         return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
     try:
@@ -176,9 +191,10 @@ async def list_models(request: web.Request) -> web.Response:
     health = request.app[HEALTH]
     if not health.ready:
         raise ApiError(503, f"{health.problem()}; try again shortly", code="handler_unavailable")
+    capabilities = {"capabilities": health.capabilities} if health.capabilities is not None else {}
     return web.json_response({"object": "list", "data": [
         {"id": model_name(request), "object": "model", "created": request.app[SETTINGS]["started"],
-         "owned_by": "hfendpoint"}]})
+         "owned_by": "hfendpoint", **capabilities}]})
 
 
 # Chat
@@ -313,6 +329,65 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "model": model_name(request), "choices": reply.choices(), **({"usage": reply.usage} if reply.usage else {})})
 
 
+# Scoring (front/scoring.py, docs/scoring.md)
+async def score_pairs(request: web.Request, data: dict, params: dict[str, str]) -> tuple[list[float], dict]:
+    """The handler's scores of data's pairs and its usage; its errors name the route's fields (params)."""
+    try:
+        reply = await request.app[CONNECTION].call("score", data, request.app[SETTINGS]["chunk_timeout"])
+    except HandlerError as exc:
+        exc.param = params.get(exc.param, exc.param)
+        raise
+    try:
+        scores = checked_scores(reply, len(data["text_2"]) if isinstance(data["text_2"], list) else 1)
+    except ValueError as exc:
+        raise HandlerError(str(exc)) from None
+    return scores, reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+
+
+async def score(request: web.Request) -> web.Response:
+    """vLLM's /v1/score."""
+    body = await read_json_object(request)
+    try:
+        data = score_call(body)
+    except ScoringInputError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    scores, usage = await score_pairs(request, data, {})
+    return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": model_name(request), "data": score_data(scores), "usage": usage})
+
+
+async def rerank(request: web.Request) -> web.Response:
+    """vLLM's /v1/rerank (Jina's and Cohere's shape): results by decreasing relevance."""
+    body = await read_json_object(request)
+    try:
+        data, texts = rerank_call(body, "documents")
+        top_n, return_documents = rerank_options(body, len(texts))
+    except ScoringInputError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    scores, usage = await score_pairs(request, data, RERANK_PARAMS)
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": model_name(request), "usage": usage,
+                              "results": rerank_results(scores, texts, top_n, return_documents)})
+
+
+async def tei_rerank(request: web.Request) -> web.Response:
+    """TEI's /rerank: [{index, score, text}] by decreasing score; errors in TEI's shape ({error, error_type})."""
+    try:
+        body = await read_json_object(request)
+        data, texts = rerank_call(body, "texts")
+        return_text = flags(body, "return_text").get("return_text", False)
+        scores, _ = await score_pairs(request, data, TEI_PARAMS)
+    except ScoringInputError as exc:
+        return tei_error(422, str(exc))
+    except (ApiError, HandlerError) as exc:
+        return tei_error(exc.status, str(exc))
+    return web.json_response(tei_results(scores, texts, return_text))
+
+
+def tei_error(status: int, message: str) -> web.Response:
+    kind = "validation" if status < 500 else "backend"
+    return web.json_response({"error": message, "error_type": kind}, status=status)
+
+
 # Embeddings
 def token_lists_or_texts(value) -> tuple[list[str] | None, list[list[int]] | None]:
     """OpenAI's input forms: a string, strings, one token list, or token lists."""
@@ -423,6 +498,9 @@ def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/rerank", tei_rerank)
     app.router.add_post("/v1/responses", responses)
     return app
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from kernels import varlen_attention
 from models.loader import NameMap, iterate_safetensors, load_weights
+from models.model_files import load_tokenizer
 from models.parallel_layers import MergedColumnParallelLinear
 
 # RoBERTa-style models number positions from padding_idx + 1 (position padding_idx is reserved for pads).
@@ -93,17 +94,18 @@ class BertClassifier(BertModel):
     then the classification head on the first token: a dense layer and tanh (BERT's pooler, RoBERTa's
     classifier.dense), then a projection to num_labels.
 
-    A pair is one token list, [CLS] a [SEP] b [SEP] as the tokenizer builds it; where the model has token types,
-    the tokens after the first [SEP] are type 1, as the tokenizer marks a pair's second text."""
+    A pair is one token list, [CLS] a [SEP] b [SEP] as the tokenizer builds it; where the model has two token
+    types, the tokens after the first [SEP] (sep_token_id, the tokenizer's) are type 1, as the tokenizer marks a
+    pair's second text."""
 
-    def __init__(self, config):
+    def __init__(self, config, sep_token_id: int | None):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.sep_token_id = getattr(config, "sep_token_id", None)
-        if self.sep_token_id is None and self.embeddings.token_type_embeddings is not None \
-                and self.embeddings.token_type_embeddings.num_embeddings > 1:
-            raise ValueError("a cross-encoder with token types needs sep_token_id in its config.json to tell a "
-                             "pair's second text")
+        types = self.embeddings.token_type_embeddings
+        self.sep_token_id = sep_token_id if types is not None and types.num_embeddings > 1 else None
+        if self.sep_token_id is None and types is not None and types.num_embeddings > 1:
+            raise ValueError("this cross-encoder has token types but no [SEP] token in its tokenizer to tell a "
+                             "pair's second text by")
         self.head_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.head_out = nn.Linear(config.hidden_size, config.num_labels)
 
@@ -127,6 +129,14 @@ def second_text(input_ids: Tensor, positions: Tensor, sep_token_id: int) -> Tens
     seps_before = torch.cumsum(is_sep, 0) - is_sep
     starts = torch.arange(len(input_ids), device=input_ids.device) - positions
     return (seps_before > seps_before[starts]).long()
+
+
+def sep_token_id(model_dir: str, hf_config) -> int | None:
+    """The [SEP] token's id: the config's, else the tokenizer's (BERT configs do not say)."""
+    if getattr(hf_config, "sep_token_id", None) is not None:
+        return hf_config.sep_token_id
+    tokenizer = load_tokenizer(model_dir)
+    return tokenizer.sep_token_id if tokenizer is not None else None
 
 
 def position_offset(config) -> int:
@@ -176,6 +186,6 @@ def load_bert(model_dir: str, hf_config, dtype: torch.dtype, device: torch.devic
               classifier: bool = False) -> BertModel:
     """The encoder, or with classifier, the cross-encoder (BertClassifier) with its head."""
     with torch.device(device):
-        model = BertClassifier(hf_config) if classifier else BertModel(hf_config)
+        model = BertClassifier(hf_config, sep_token_id(model_dir, hf_config)) if classifier else BertModel(hf_config)
     load_weights(model, iterate_safetensors(model_dir, lazy=True), model_dir, CLASSIFIER_NAMES if classifier else NAMES)
     return model.to(dtype).eval()
