@@ -31,6 +31,10 @@ Variables read here:
                              v0.3.0 has no authentication of its own)
   HFENDPOINT_REPOSITORY_DIR  where a mounted model is looked for (default /repository; Inference
                              Endpoints mount the model there); it wins over MODEL_ID
+  HFENDPOINT_CACHE_VOLUME    a writable volume that outlives the container (default /data): when it is
+                             mounted and TRITON_CACHE_DIR is unset, Triton keeps its compiled kernels
+                             in VOLUME/nanovllm-endpoint/triton, so the next start skips compiling them
+  TRITON_CACHE_DIR           where Triton keeps compiled kernels (Triton's default: ~/.triton/cache)
   MODEL_ID                   hub id (org/name) or local path (directory with config.json, or a .gguf
                              file); a path that does not exist is an error; unset: the handler's default
 
@@ -41,9 +45,12 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_TENSOR_PARALLEL_SIZE, HFENDPOINT_KV_BLOCK_SIZE, HFENDPOINT_CPU_KV_CACHE_GB,
   HFENDPOINT_NUM_KV_BLOCKS, HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS, HFENDPOINT_MODEL_NAME,
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
-  HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE,
+  HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES,
+  HFENDPOINT_DATA_PARALLEL_SIZE (engines, each on its own HFENDPOINT_TENSOR_PARALLEL_SIZE GPUs; default 1),
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
-  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30)
+  HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30),
+  HFENDPOINT_IMAGE_MAX_BYTES, HFENDPOINT_IMAGE_MAX_PIXELS, HFENDPOINT_IMAGE_FETCH_TIMEOUT,
+  HFENDPOINT_MAX_IMAGES_PER_REQUEST, HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS (images in chat)
 EOF
 }
 
@@ -83,6 +90,17 @@ check_model() {
 		die "MODEL_ID=$MODEL_ID: no such file or directory; set MODEL_ID to an existing model directory or .gguf file, or to a hub id (org/name)"
 	fi
 	log "serving MODEL_ID=$MODEL_ID"
+}
+
+# Compiled kernels on a volume survive a scale-to-zero: the next replica starts without compiling them.
+use_cache_volume() {
+	[ -n "${TRITON_CACHE_DIR:-}" ] && return
+	volume=${HFENDPOINT_CACHE_VOLUME:-/data}
+	[ -d "$volume" ] && [ -w "$volume" ] || return 0
+	if mkdir -p "$volume/nanovllm-endpoint/triton" 2>/dev/null; then
+		export TRITON_CACHE_DIR="$volume/nanovllm-endpoint/triton"
+		log "Triton's kernel cache is on the volume: $TRITON_CACHE_DIR"
+	fi
 }
 
 has_mounted_model() {
@@ -141,6 +159,7 @@ else
 	command -v "$FRONT_PYTHON" >/dev/null 2>&1 || die "FRONT_PYTHON=$FRONT_PYTHON: command not found; unset it to run our front on PYTHON"
 fi
 check_model
+use_cache_volume
 
 if [ "$FRONT" = hfendpoint ]; then
 	log "starting $daemon on $HOST:$PORT: it forwards only messages and stream, and its /health answers 200 before the model has loaded"

@@ -9,24 +9,58 @@ do_bench's flush (a memset) leaves it full of dirty ones that the timed kernel w
 what that adds to the engine's kernel.
 
 Needs a GPU with e4m3 conversions (compute capability 8.9 or later):
-PYTHONPATH=.:bench python3 bench/gluon_decode_speed.py [--configs WARPS,MAX_REGISTERS ...]
+PYTHONPATH=. python3 bench/gluon_decode_speed.py [--configs WARPS,MAX_REGISTERS ...]
 """
 import argparse
 import contextlib
 import functools
+import itertools
 import random
 
-import fp8_attention_sweep as sweep
 import torch
 import triton
 import triton.language as tl
 import triton.testing
 
 from kernels import gluon_decode, reference
+from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import decode_attention
 from kernels.triton_prologue import qkv_prologue
 
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_MODEL_LEN = 16, 8, 128, 16, 4096
+FP8 = torch.float8_e4m3fn
 BATCHES = (256, 192, 128, 64)
+
+
+def decode_step(lengths: list[int]):
+    """The fused projection's rows, an FP8 cache holding each sequence's context in scattered blocks (quantized
+    with per-head scales), and the step's metadata (each new token's slot at the end of its context)."""
+    batch, per_seq = len(lengths), [-(-n // BLOCK_SIZE) for n in lengths]
+    scales = tuple(torch.full((NUM_KV_HEADS,), 2.0 ** -5, device="cuda") for _ in range(2))
+    shape = (sum(per_seq), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (reference.quantize_kv(torch.randn(shape, device="cuda").flatten(0, 1), scale).view(shape)
+                        for scale in scales)
+    order = torch.randperm(sum(per_seq), device="cuda").to(torch.int32)
+    tables = torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device="cuda")
+    for row, (start, count) in enumerate(zip(itertools.accumulate(per_seq, initial=0), per_seq)):
+        tables[row, :count] = order[start:start + count]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    rows = torch.arange(batch, device="cuda")
+    slots = tables[rows, (seq_lens - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (seq_lens - 1) % BLOCK_SIZE
+    meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                             seq_lens=seq_lens, block_tables=tables, max_seqlen_q=1, max_seqlen_k=MAX_MODEL_LEN,
+                             is_decode=True, seq_order=torch.argsort(seq_lens, descending=True).to(torch.int32))
+    qkv = torch.randn(batch, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return qkv, k_cache, v_cache, meta, scales
+
+
+def rotary_and_norms():
+    """Qwen3's rotary table (theta 1e6) and q and k norm weights."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.outer(torch.arange(MAX_MODEL_LEN, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).cuda()
+    norms = tuple(torch.rand(HEAD_DIM, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    return cos_sin, norms
 
 
 @triton.jit
@@ -92,18 +126,18 @@ def main():
     configs = [tuple(map(int, spec.split(","))) for spec in args.configs]
     random.seed(0)
     torch.manual_seed(0)
-    cos_sin, norms = sweep.rotary_and_norms()
+    cos_sin, norms = rotary_and_norms()
     other = torch.ones(256 * 2**20, device="cuda")  # 1 GiB: its sum outlasts any launch's host work
-    scale = sweep.HEAD_DIM**-0.5
+    scale = HEAD_DIM**-0.5
     bias = []
     print(f"{'batch':>5} {'kernel':32} {'us':>8} {'TB/s':>6} {'max err':>8}")
     for batch in BATCHES:
         lengths = [random.randint(100, 2100) for _ in range(batch)]
-        qkv, k_cache, v_cache, meta, scales = sweep.decode_step(lengths, sweep.FP8)
-        q, _, _ = qkv_prologue(qkv, meta.seq_lens.long() - 1, cos_sin, sweep.NUM_Q_HEADS, sweep.NUM_KV_HEADS, *norms,
+        qkv, k_cache, v_cache, meta, scales = decode_step(lengths)
+        q, _, _ = qkv_prologue(qkv, meta.seq_lens.long() - 1, cos_sin, NUM_Q_HEADS, NUM_KV_HEADS, *norms,
                                1e-6, k_cache, v_cache, meta.slot_mapping, False, *scales)
         expected = reference.paged_attention(q, k_cache, v_cache, meta, scale, 0, None, *scales).float()
-        kv_bytes = 2 * sum(lengths) * sweep.NUM_KV_HEADS * sweep.HEAD_DIM
+        kv_bytes = 2 * sum(lengths) * NUM_KV_HEADS * HEAD_DIM
         engine = functools.partial(decode_attention, q, k_cache, v_cache, meta, scale, k_scale=scales[0],
                                    v_scale=scales[1])
         kernels = {"engine's choice": engine, "Triton": engine}

@@ -18,11 +18,10 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
-from random_model import add_fp8_arguments, make_random_model, weights_to_run
+from random_model import add_fp8_arguments, add_gpu_features_argument, make_random_model, weights_to_run
 
 LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
@@ -108,8 +107,9 @@ def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], 
     """(metric, shape, ms) rows for the model at path, and (batch, feature, plain ms, with ms) for the features
     asked for, on an engine of its own (freed before returning)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype, **settings)
+              kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features, **settings)
     core = llm.core
+    core.finish_warm_up()  # the prefills measured replay graphs
     core.overlap = not args.no_overlap
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
     ttft = time_to_first_token(core, args.prompt_len, 10)
@@ -146,10 +146,8 @@ def main():
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
-    add_decode_tiles_argument(ap)
+    add_gpu_features_argument(ap)
     args = ap.parse_args()
-    if args.decode_tiles:
-        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     print(f"{'weights':16} {'metric':6} {'shape':28} {'ms (median)':>12}")

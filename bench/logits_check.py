@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from kernels.reference import dequantize_fp8, quantize_fp8
-from random_model import FP8_BLOCK, add_fp8_arguments, make_fp8_copy, make_random_model
+from random_model import FP8_BLOCK, add_fp8_arguments, add_gpu_features_argument, make_fp8_copy, make_random_model
 from real_model import readme_tokens, smollm2_safetensors
 
 MARGIN = 0.05  # logits; above the largest bf16-vs-fp32 log-prob error transformers itself shows here
@@ -39,14 +39,15 @@ class TeacherForcing:
         return torch.tensor([self.tokens[len(seq)]], device=logits.device), None
 
 
-def engine_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
+def engine_logits(llm, tokens: list[int], prompt_len: int, images=()) -> torch.Tensor:
+    """images: the prompt's (engine/images.py's PromptImage), for a model that reads images."""
     core = llm.core
     core.overlap = False  # the forcing sampler reads each request's tokens when it samples
     forcing = TeacherForcing(tokens, core.runner.sampler)
     sampler, core.runner.sampler = core.runner.sampler, forcing
     try:
         seq = core.make_sequence("check", tokens[:prompt_len], SamplingParams(
-            temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len))
+            temperature=0, ignore_eos=True, max_tokens=len(tokens) - prompt_len), images=images)
         core.add(seq)
         while core.has_work():
             core.step()
@@ -88,16 +89,17 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, margin_ref: torch.Tensor,
             widest_flip)
 
 
-def reference_logits(path: str, tokens: list[int], prompt_len: int, device: str, w8a8: bool):
-    """transformers' logits at the evaluated positions, bf16 and fp32, on the weights at path (with w8a8, as the FP8
-    copy specifies them: as_w8a8)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+def reference_logits(path: str, tokens: list[int], prompt_len: int, device: str, w8a8: bool,
+                     dtype: torch.dtype = torch.bfloat16):
+    """transformers' logits at the evaluated positions, in dtype (16-bit) and fp32, on the weights at path (with
+    w8a8, as the FP8 copy specifies them: as_w8a8)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if w8a8:
         as_w8a8(model)
     ids = torch.tensor([tokens], device=device)
-    bf16 = model(ids).logits[0, prompt_len - 1:-1].float()
+    half = model(ids).logits[0, prompt_len - 1:-1].float()
     fp32 = model.float()(ids).logits[0, prompt_len - 1:-1].float()
-    return bf16, fp32
+    return half, fp32
 
 
 def random_or_real_model(args) -> tuple[str, list[int]]:
@@ -131,27 +133,35 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu: the engine computes in float32, with FP8 weights dequantized (models/fp8.py)")
     add_fp8_arguments(ap, "the engine serves the model's FP8 copy")
+    add_gpu_features_argument(ap)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="the engine's and transformers' 16-bit dtype on the GPU (float16: what a T4 runs)")
     args = ap.parse_args()
     seed(0)
     path, tokens = random_or_real_model(args)
     served, label = (make_fp8_copy(path), "engine FP8") if args.fp8 else (path, "engine")
-    ref, ref32 = reference_logits(path, tokens, args.prompt_len, args.device, args.fp8)
+    dtype = getattr(torch, args.dtype)
+    half = "bf16" if dtype == torch.bfloat16 else "fp16"
+    ref, ref32 = reference_logits(path, tokens, args.prompt_len, args.device, args.fp8, dtype)
     margin = args.margin
     reference = "transformers W8A8" if args.fp8 else "transformers"
-    rows = [(f"{reference} bf16 vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
+    rows = [(f"{reference} {half} vs fp32 (noise floor)", *compare(ref, ref32, ref32, margin))]
     if args.fp8:  # against the weights before quantization: what FP8 costs
-        plain, plain32 = reference_logits(path, tokens, args.prompt_len, args.device, False)
+        plain, plain32 = reference_logits(path, tokens, args.prompt_len, args.device, False, dtype)
         rows.append(("transformers W8A8 fp32 vs unquantized fp32", *compare(ref32, plain32, plain32, margin)))
-        rows.append(("transformers unquantized bf16 vs fp32", *compare(plain, plain32, plain32, margin)))
+        rows.append((f"transformers unquantized {half} vs fp32", *compare(plain, plain32, plain32, margin)))
     for eager in (False, True) if args.device.startswith("cuda") else (True,):
         llm = LLM(served, enforce_eager=eager, max_num_batched_tokens=args.chunk_tokens, gpu_memory_utilization=0.3,
                   max_model_len=len(tokens) + 1, fp8_gemm=args.fp8_gemm, kv_cache_dtype=args.kv_cache_dtype,
-                  device=args.device)
+                  device=args.device, gpu_features=args.gpu_features,
+                  **({"dtype": args.dtype} if args.device.startswith("cuda") else {}))
+        llm.core.finish_warm_up()  # the prefill steps replay graphs too
         window = llm.core.block_manager.window
         name = (("eager" if eager else "cuda graphs") + (f", window {window}" if window else "")
-                + (", fp8 KV" if args.kv_cache_dtype == "fp8" else ""))
+                + (", fp8 KV" if args.kv_cache_dtype == "fp8" else "") + f", {half}, GPU features {args.gpu_features}")
         ours, _ = engine_logits(llm, tokens, args.prompt_len)
-        rows.append((f"{label} ({name}, chunks of {args.chunk_tokens}) vs bf16", *compare(ours, ref, ref32, margin)))
+        rows.append((f"{label} ({name}, chunks of {args.chunk_tokens}) vs {half}",
+                     *compare(ours, ref, ref32, margin)))
         rows.append((f"{label} ({name}) vs fp32", *compare(ours, ref32, ref32, margin)))
         if args.fp8:
             rows.append((f"{label} ({name}) vs unquantized fp32", *compare(ours, plain32, plain32, margin)))
@@ -164,10 +174,10 @@ def main():
         top2 = reference_fp32.topk(2, dim=-1).values
         decided = ((top2[:, 0] - top2[:, 1]) > margin).sum().item()
         print(f"{decided} of {len(reference_fp32)} positions have a top-2 margin over {margin} in the {name}")
-    print(f"{'comparison':64} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11} "
+    print(f"{'comparison':100} {'top-1 all':>9} {'decided':>8} {'|dlogp| med':>11} {'|dlogp| max':>11} "
           f"{'widest flip':>11}")
     for name, agree, agree_decided, med, mx, flip in rows:
-        print(f"{name:64} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f} {flip:11.4f}")
+        print(f"{name:100} {agree:9.4f} {agree_decided:8.4f} {med:11.4f} {mx:11.4f} {flip:11.4f}")
 
 
 if __name__ == "__main__":

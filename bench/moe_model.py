@@ -2,7 +2,10 @@
 per output token at batch 1 and 64, each against its floor, and the MoE layer's achieved bandwidth.
 
 Run on one H200 (the bf16 Qwen3-30B-A3B shape is 61 GB) from the repo root:
-    PYTHONPATH=. python3 bench/moe_model.py [--tensor-parallel-size 2] [--model gpt-oss-20b]
+    PYTHONPATH=. python3 bench/moe_model.py [--tensor-parallel-size 2] [--model gpt-oss-20b [--bf16-experts]]
+
+gpt-oss keeps its experts in MXFP4 as published; --bf16-experts drops the config's quantization_config to
+serve the same shape with bf16 experts (its dequantized self).
 
 The weights are random (speed depends on shapes, not values) and drawn on the GPU at load
 (bench/random_model.py's draw_weights_at_load): nothing is written to or read from disk.
@@ -24,6 +27,7 @@ from collections import Counter
 import numpy as np
 import torch
 from moe_speed import SHAPES, Case, copy_bandwidth, graph_us, matmul_flops
+from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 from latency import (
@@ -47,12 +51,16 @@ class Floors:
     def __init__(self, model, config, bandwidth: float, flops_rate: float, tp: int):
         self.bandwidth, self.flops_rate = bandwidth, flops_rate
         params = dict(model.named_parameters())
-        element = next(iter(params.values())).element_size()
-        expert_bytes = sum(p.numel() * element for n, p in params.items() if ".experts." in n)
+        element = model.model.embed_tokens.weight.element_size()  # of activations and the KV cache
+
+        def nbytes(p):
+            return p.numel() * p.element_size()
+
+        expert_bytes = sum(nbytes(p) for n, p in params.items() if ".experts." in n)
         self.moe_layers = sum(1 for n in params if n.endswith("experts.down_proj"))
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.expert_bytes = expert_bytes / max(self.moe_layers * self.num_experts, 1)  # this GPU's part of one
-        self.dense_bytes = (sum(p.numel() * element for p in params.values()) - expert_bytes
+        self.dense_bytes = (sum(nbytes(p) for p in params.values()) - expert_bytes
                             - model.model.embed_tokens.weight.numel() * element)  # the embedding reads a row a token
         self.active_params = (self.dense_bytes + self.moe_layers * self.top_k * self.expert_bytes) / element
         self.windows = Counter(layer.self_attn.window for layer in model.model.layers)  # window (0: full) -> layers
@@ -135,14 +143,22 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     ap.add_argument("--repeat", type=int, default=2, help="throughput runs (median)")
+    ap.add_argument("--bf16-experts", action="store_true", help="an MXFP4 model's experts in bf16 instead")
+    ap.add_argument("--skip-layer", action="store_true", help="skip the MoE layer alone")
     args = ap.parse_args()
     bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
-    shape = next((s for s in (f"{args.model}-tp{args.tensor_parallel_size}", args.model) if s in SHAPES), None)
+    model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts)
+    quantized = "quantization_config" in AutoConfig.from_pretrained(model_dir).to_dict()
+    names = [f"{args.model}-tp{args.tensor_parallel_size}", args.model]
+    names = [f"{name}-mxfp4" for name in names] if quantized else names
+    shape = None if args.skip_layer else next((s for s in names if s in SHAPES), None)
     layers = moe_layer_rows(shape, bandwidth) if shape else []  # before the engine takes the GPU's memory
     torch.cuda.empty_cache()
     start = time.perf_counter()
-    llm = LLM(config_only_model(args.model), tensor_parallel_size=args.tensor_parallel_size)
-    print(f"engine ready in {time.perf_counter() - start:.0f} s", flush=True)
+    llm = LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size)
+    print(f"engine ready in {time.perf_counter() - start:.0f} s: weights "
+          f"{sum(p.numel() * p.element_size() for p in llm.core.runner.model.parameters()) / 2**30:.2f} GiB, "
+          f"{llm.core.stats()['num_total_blocks']} KV blocks", flush=True)
     core = llm.core
     floors = Floors(core.runner.model, core.runner.model.config, bandwidth, flops_rate, args.tensor_parallel_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
@@ -160,7 +176,8 @@ def main():
     floor_throughput = total / floors.workload_s(prompts, params)
     llm.shutdown()
 
-    print(f"\n== {args.model} (random bf16 weights), TP {args.tensor_parallel_size}, on "
+    print(f"\n== {args.model} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
+          f"{args.tensor_parallel_size}, on "
           f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} "
           "TFLOP/s (measured)")
     print(f"per GPU: dense weights read per step {floors.dense_bytes / 1e9:.2f} GB, one expert "

@@ -19,12 +19,16 @@ import torch
 import triton
 import triton.testing
 
+from kernels.mxfp4 import Mxfp4Weight
+
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-SHAPES = {  # experts, top-k, hidden, expert intermediate (this rank's), activation, biases
-    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu", False),
-    "qwen3-30b-a3b-tp2": (128, 8, 2048, 384, "silu", False),
-    "gpt-oss-20b": (32, 4, 2880, 2880, "clamped_swiglu", True),
+SHAPES = {  # experts, top-k, hidden, expert intermediate (this rank's), activation, biases, MXFP4 experts
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu", False, False),
+    "qwen3-30b-a3b-tp2": (128, 8, 2048, 384, "silu", False, False),
+    "gpt-oss-20b": (32, 4, 2880, 2880, "clamped_swiglu", True, False),
+    "gpt-oss-20b-mxfp4": (32, 4, 2880, 2880, "clamped_swiglu", True, True),
+    "gpt-oss-120b-mxfp4": (128, 4, 2880, 2880, "clamped_swiglu", True, True),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SWEEP_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -50,13 +54,14 @@ def graph_us(fn, rep: int = 50) -> float:
 
 
 class Case:
-    """Random bf16 experts of one shape and a routed batch of T tokens."""
+    """Random bf16 experts (or MXFP4 ones: random codes, scales around 2^-7) of one shape and a routed batch of T
+    tokens."""
 
     def __init__(self, shape: str, num_tokens: int):
         from kernels.triton_moe import select_experts
 
         self.shape, self.num_tokens = shape, num_tokens
-        experts, self.top_k, hidden, inter, self.activation, bias = SHAPES[shape]
+        experts, self.top_k, hidden, inter, self.activation, bias, mxfp4 = SHAPES[shape]
         generator = torch.Generator(device=DEVICE).manual_seed(0)
 
         def randn(*size, scale=1.0):
@@ -64,8 +69,14 @@ class Case:
 
         self.x = randn(num_tokens, hidden)
         self.router = randn(experts, hidden, scale=hidden**-0.5)
-        self.w_gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
-        self.w_down = randn(experts, hidden, inter, scale=inter**-0.5)
+        def weight(rows, cols):
+            if not mxfp4:
+                return randn(experts, rows, cols, scale=cols**-0.5)
+            blocks = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device=DEVICE,
+                                   generator=generator)
+            return Mxfp4Weight(blocks, torch.full((experts, rows, cols // 32), 120, dtype=torch.uint8, device=DEVICE))
+
+        self.w_gate_up, self.w_down = weight(2 * inter, hidden), weight(hidden, inter)
         self.b_gate_up = randn(experts, 2 * inter) if bias else None
         self.b_down = randn(experts, hidden) if bias else None
         self.ids, self.weights = select_experts(self.x @ self.router.T, self.top_k, True)
@@ -76,9 +87,12 @@ class Case:
         return self.w_gate_up, self.w_down, self.b_gate_up, self.b_down
 
     def bytes_moved(self) -> int:
-        """The weights of the experts reached (and their biases), the input and the output."""
-        per_expert = sum(t[0].numel() for t in self.experts() if t is not None)
-        return (self.num_reached * per_expert + 2 * self.x.numel()) * self.x.element_size()
+        """The weights of the experts reached (and their biases, an MXFP4 weight's scales), the input and the
+        output."""
+        tensors = [part for t in self.experts() if t is not None
+                   for part in ((t.blocks, t.scales) if isinstance(t, Mxfp4Weight) else (t,))]
+        per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
+        return self.num_reached * per_expert + 2 * self.x.numel() * self.x.element_size()
 
     def flops(self) -> int:
         hidden, inter = self.w_down.shape[1:]

@@ -80,6 +80,7 @@ def main():
     args = ap.parse_args()
     path = make_random_model(args.model) if "/" not in args.model else args.model
     core = LLM(path, kv_cache_dtype=args.kv_cache_dtype).core
+    core.finish_warm_up()
     runner = core.runner
     for batch in map(int, args.batches.split(",")):
         lengths = [randint(100, 2100) if args.varied else 1024 for _ in range(batch)]

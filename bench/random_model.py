@@ -4,7 +4,6 @@ quickly (Qwen3-30B-A3B: 61 GB), drawn on the GPU at load time."""
 import argparse
 import json
 import os
-import shutil
 
 import torch
 from safetensors import safe_open
@@ -12,11 +11,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import KV_CACHE_DTYPES
+from kernels import gpu_features
 from kernels.reference import quantize_fp8
 from models.fp8 import FP8_GEMMS
 from models.loader import safetensors_files
 
 FP8_BLOCK = (128, 128)
+MXFP4_SCALE = 120  # 2^-7: random E2M1 codes (root mean square near 3) under it have a std near 0.02
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,24 +45,33 @@ def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, devi
     return out_dir
 
 
-def config_only_model(name: str) -> str:
-    """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load()."""
-    out_dir = f"/tmp/random-{name}-config"
+def config_only_model(name: str, drop_quantization: bool = False) -> str:
+    """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load().
+    drop_quantization: without its quantization_config (gpt-oss's experts in bf16 instead of MXFP4)."""
+    out_dir = f"/tmp/random-{name}-config" + ("-unquantized" if drop_quantization else "")
     os.makedirs(out_dir, exist_ok=True)
-    shutil.copy(os.path.join(HERE, "models", name, "config.json"), os.path.join(out_dir, "config.json"))
+    with open(os.path.join(HERE, "models", name, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if drop_quantization:
+        config.pop("quantization_config", None)
+    _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
 
 
 def draw_weights_at_load(std: float = 0.02) -> None:
     """From now on, loading a safetensors model draws its parameters where they live instead of reading files:
-    norm weights 1, the others normal(0, std) (transformers' initialisation). Tensor-parallel ranks are spawned
+    norm weights 1, the others normal(0, std) (transformers' initialisation); MXFP4 experts random codes
+    under scales of 2^-7, about that std. Tensor-parallel ranks are spawned
     processes that re-import the main script, so a script calls this at import time, not under __main__."""
     import models.loader
 
     @torch.no_grad()
     def draw(model, model_dir):
         for name, param in model.named_parameters():
-            param.fill_(1.0) if "norm" in name else param.normal_(0.0, std)
+            if param.dtype == torch.uint8:
+                param.fill_(MXFP4_SCALE) if name.endswith("_scales") else param.random_(0, 256)
+            else:
+                param.fill_(1.0) if "norm" in name else param.normal_(0.0, std)
 
     models.loader.load_safetensors = draw
 
@@ -103,6 +113,12 @@ def add_fp8_arguments(ap: argparse.ArgumentParser, fp8_help: str) -> None:
     ap.add_argument("--fp8", action="store_true", help=fp8_help)
     ap.add_argument("--fp8-gemm", default=FP8_GEMMS[0], choices=FP8_GEMMS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+
+
+def add_gpu_features_argument(ap: argparse.ArgumentParser) -> None:
+    """--gpu-features: HFENDPOINT_GPU_FEATURES for the engine (kernels/gpu_features.py), e.g. portable to time
+    the pre-Hopper paths on a Hopper GPU."""
+    ap.add_argument("--gpu-features", default="auto", help=f"GPU features turned off: {gpu_features.SPEC_HELP}")
 
 
 def weights_to_run(path: str, args) -> list[tuple[str, str, dict]]:

@@ -1,4 +1,4 @@
-"""The online benchmark (../shared/bench.md) through our front's HTTP API, with aiohttp as the client.
+"""The online benchmark through our front's HTTP API, with aiohttp as the client.
 
     PYTHONPATH=. python3 bench/serve.py                              # concurrency 1, 16, 64, 256
     PYTHONPATH=. python3 bench/serve.py --request-rate 20 --num-prompts 400

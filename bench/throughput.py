@@ -1,4 +1,4 @@
-"""Offline throughput on the Nano-vLLM workload (../shared/bench.md): 256 requests, random prompts of
+"""Offline throughput on the Nano-vLLM workload (Nano-vLLM's bench.py): 256 requests, random prompts of
 100-1024 tokens, 100-1024 output tokens each (133,966 in all), ignore_eos, temperature 0.6. --fp8 runs the
 model's block-wise FP8 copy next (bench/random_model.py), each on an engine of its own."""
 import argparse
@@ -7,10 +7,9 @@ import time
 from random import randint, seed
 
 import torch
-from fp8_attention_sweep import add_decode_tiles_argument, use_decode_tiles
 
 from engine import LLM, SamplingParams
-from random_model import add_fp8_arguments, make_random_model, weights_to_run
+from random_model import add_fp8_arguments, add_gpu_features_argument, make_random_model, weights_to_run
 from step_trace import StepTrace
 
 
@@ -34,10 +33,8 @@ def main():
     ap.add_argument("--config", action="append", default=[], metavar="NAME=INT",
                     help="an integer EngineConfig field, e.g. block_size=64 (repeatable)")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy")
-    add_decode_tiles_argument(ap)
+    add_gpu_features_argument(ap)
     args = ap.parse_args()
-    if args.decode_tiles:
-        use_decode_tiles(args.decode_tiles, args.kv_cache_dtype)
     path = make_random_model(args.model) if "/" not in args.model else args.model
     overrides = {name: int(value) for name, value in (item.split("=", 1) for item in args.config)}
     for weights, model_path, settings in weights_to_run(path, args):
@@ -47,7 +44,8 @@ def main():
 def run(path: str, weights: str, args, **settings) -> None:
     """Prints each repeat's throughput for the model at path, on an engine of its own (freed after)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, **settings)
+              overlap_steps=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features,
+              **settings)
     trace = StepTrace(llm) if args.trace else None
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     if trace:

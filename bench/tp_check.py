@@ -53,6 +53,7 @@ def run_engine(path, prompts, new_tokens, reference, **config) -> tuple[list[lis
     """Greedy outputs, the teacher-forced records along `reference` (or the greedy outputs themselves when
     None), and the number of KV blocks."""
     llm = LLM(path, **config)
+    llm.core.finish_warm_up()  # graphs from the first step
     llm.core.overlap = False  # the forcing sampler reads each request's tokens when it samples
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
     try:

@@ -2,8 +2,9 @@
 
 Only metadata lives here; the KV tensors are indexed by block id in the model runner. A full block is
 identified by an xxhash of its tokens chained on its parent block's hash, so equal hashes mean equal
-prefixes. Freed blocks keep their hash and contents and join the back of the free queue: a later request
-with the same prefix takes them back (a hit) until allocation reaches them at the front (eviction).
+prefixes; a block from a prompt's first image on also hashes the content of its images. Freed blocks keep
+their hash and contents and join the back of the free queue: a later request with the same prefix takes them
+back (a hit) until allocation reaches them at the front (eviction).
 
 With a sliding window on every layer (`window` > 0), a query at position q reads only keys q - window < p <= q,
 so a running request's blocks that lie wholly before the window of its next token are freed as it advances
@@ -13,6 +14,7 @@ blocks inside the window of the first token it computes to be cached: the earlie
 import numpy as np
 import xxhash
 
+from engine.images import image_keys
 from engine.sequence import Sequence
 
 
@@ -72,8 +74,13 @@ class FreeBlockQueue:
         return block
 
 
-def hash_block(parent_hash: int, token_ids: list[int]) -> int:
-    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=parent_hash)
+def hash_block(parent_hash: int, token_ids: list[int], image_keys: list[int] = ()) -> int:
+    """image_keys: the content hashes of the images whose soft tokens the block's keys depend on
+    (engine/images.py), after its tokens."""
+    values = np.asarray(token_ids, dtype=np.int64).tobytes()
+    if image_keys:
+        values += np.asarray(image_keys, dtype=np.uint64).tobytes()
+    return xxhash.xxh3_64_intdigest(values, seed=parent_hash)
 
 
 FREED = -1  # a block-table entry whose block was freed (out of the window): never read
@@ -112,7 +119,8 @@ class BlockManager:
         size = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else 0
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size]))
+            keys = image_keys(seq.images, (i + 1) * size) if seq.images else ()
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size], keys))
         return seq.block_hashes
 
     def num_out_of_window(self, num_tokens: int) -> int:
@@ -204,6 +212,16 @@ class BlockManager:
             self._release(seq.block_table[i])
             seq.block_table[i] = FREED
         seq.num_freed_blocks = max(seq.num_freed_blocks, num_unread)
+
+    def release_uncomputed(self, seq: Sequence) -> None:
+        """Frees seq's blocks past its computed tokens: those a verification step took for draft tokens the
+        model rejected. The block table is replaced, not shortened in place (step inputs rewrite a table they
+        have not seen; engine/step_inputs.py)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if keep < len(seq.block_table):
+            for block_id in reversed(seq.block_table[keep:]):
+                self._release(block_id)
+            seq.block_table = seq.block_table[:keep]
 
     def free(self, seq: Sequence) -> None:
         """Drops seq's references, tail blocks first so they are evicted before the shared prefix."""

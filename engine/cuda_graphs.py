@@ -1,4 +1,4 @@
-"""CUDA graphs of the decoder's forward, captured once at start-up and replayed by steps of their shape.
+"""CUDA graphs of the decoder's forward, captured once, largest first, and replayed by steps of their shape.
 
 A pure-decode step replays the graph of the next batch size up on a ladder, padded with one-token rows that
 write to slot -1 and read one key. Any other step of at most PREFILL_GRAPH_MAX_TOKENS tokens replays the graph
@@ -9,6 +9,9 @@ forward's launches, each taking the GIL again, stretch the step while a burst of
 counts alternate 2^k and 1.5 x 2^k, so padding adds at most half a step's tokens. A graph reads its inputs from
 the step buffers at fixed addresses (engine/step_inputs.py) and writes its hidden states into one shared output
 tensor.
+
+Start-up captures none: the engine captures them after it is ready (engine/model_runner.py's warm-up), one at a
+time, and until a step's graph exists the step runs eagerly.
 """
 import bisect
 from collections.abc import Callable
@@ -41,45 +44,52 @@ class CudaGraphs:
         self.prefill_tokens = sorted({t for t in [*(m << e for e in range(3, most.bit_length()) for m in (2, 3)), most]
                                       if t <= most})
         self.captured: dict[GraphShape, torch.cuda.CUDAGraph] = {}  # empty: every step runs eagerly
+        self.pending: list[GraphShape] = []  # to capture, largest first (plan_all())
         self.hidden: Tensor | None = None  # the hidden states every graph writes, [largest graph's tokens, H]
+        self._pool = None  # the memory pool of the first graph, which the later, smaller ones share
 
-    def shape_for(self, num_tokens: list[int]) -> GraphShape | None:
-        """The captured graph to replay for a step computing num_tokens per row; None runs it eagerly."""
+    def shape_for(self, num_tokens: list[int], as_rows: bool = False) -> GraphShape | None:
+        """The captured graph to replay for a step computing num_tokens per row (as_rows: a verification step
+        staged as a decode row per token); None runs it eagerly."""
         num_rows, total = len(num_tokens), sum(num_tokens)
         if not self.captured or num_rows > self.max_num_seqs:
             return None
-        if total == num_rows:  # one token per row: pure decode
-            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_rows)]
-            return GraphShape(size, size, is_decode=True)
-        if total <= self.prefill_tokens[-1]:
+        if total == num_rows or as_rows:  # one token per row: pure decode (or verification rows)
+            size = self.decode_sizes[bisect.bisect_left(self.decode_sizes, total)]
+            shape = GraphShape(size, size, is_decode=True)
+        elif total <= self.prefill_tokens[-1]:
             size = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, total)]
-            return GraphShape(size, self.max_num_seqs, is_decode=False)
-        return None
+            shape = GraphShape(size, self.max_num_seqs, is_decode=False)
+        else:
+            return None
+        return shape if shape in self.captured else None  # not captured yet: eagerly
 
     def shapes(self) -> list[GraphShape]:
         return ([GraphShape(size, size, is_decode=True) for size in self.decode_sizes]
                 + [GraphShape(size, self.max_num_seqs, is_decode=False) for size in self.prefill_tokens])
 
-    def capture(self, model, prepare: Callable, hidden_size: int) -> None:
-        """One graph per decode batch size and prefill token count, largest first so the smaller ones reuse
-        its memory pool; each is warmed up and captured on a step of padding only, whose inputs
-        prepare([], [], shape) stages in the step buffers."""
+    def plan_all(self) -> None:
+        """Every shape becomes pending, largest first so the smaller graphs reuse the first one's memory pool."""
+        self.pending = sorted(self.shapes(), key=lambda shape: shape.num_tokens, reverse=True)
+
+    def capture_next(self, model, prepare: Callable, hidden_size: int) -> None:
+        """Captures the first pending graph, warmed up and captured on a step of padding only, whose inputs
+        prepare([], [], shape) stages in the step buffers (nothing may be in flight that reads them)."""
+        shape = self.pending.pop(0)
         parameter = next(model.parameters())
-        shapes = sorted(self.shapes(), key=lambda shape: shape.num_tokens, reverse=True)
-        self.hidden = torch.zeros(shapes[0].num_tokens, hidden_size, dtype=parameter.dtype, device=parameter.device)
-        pool_handle = None
+        if self.hidden is None:  # the first graph is the largest
+            self.hidden = torch.zeros(shape.num_tokens, hidden_size, dtype=parameter.dtype, device=parameter.device)
         with torch.inference_mode():
-            for shape in shapes:
-                step = prepare([], [], shape)
-                hidden = self.hidden[:shape.num_tokens]
-                graph = torch.cuda.CUDAGraph()
-                hidden.copy_(model(step.input_ids, step.positions, step.meta))  # warm-up
-                torch.cuda.synchronize(parameter.device)
-                with torch.cuda.graph(graph, pool_handle):
-                    hidden.copy_(model(step.input_ids, step.positions, step.meta))
-                pool_handle = graph.pool()
-                self.captured[shape] = graph
-        torch.cuda.synchronize(parameter.device)
+            step = prepare([], [], shape)
+            hidden = self.hidden[:shape.num_tokens]
+            graph = torch.cuda.CUDAGraph()
+            hidden.copy_(model(step.input_ids, step.positions, step.meta))  # warm-up
+            torch.cuda.synchronize(parameter.device)
+            with torch.cuda.graph(graph, self._pool):
+                hidden.copy_(model(step.input_ids, step.positions, step.meta))
+            torch.cuda.synchronize(parameter.device)
+        self._pool = graph.pool()
+        self.captured[shape] = graph
 
     def replay(self, shape: GraphShape) -> Tensor:
         """Runs the graph of this shape on the staged inputs; returns its hidden states, padding included."""

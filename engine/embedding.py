@@ -74,6 +74,11 @@ def forward_decoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor
     return model(input_ids, positions, meta), cu_seqlens
 
 
+def encoder_limit(config, model) -> int:
+    """The longest input an encoder takes: its position table's, or HFENDPOINT_MAX_MODEL_LEN when set and shorter."""
+    return min(config.max_model_len or model.max_positions, model.max_positions)
+
+
 def forward_encoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
     """Hidden states [T, H] of packed sequences through an encoder, and their cu_seqlens."""
     input_ids, positions, cu_seqlens, max_len = pack(token_lists, next(model.parameters()).device)
@@ -107,9 +112,8 @@ class Embedder:
         first requests."""
         model = loaded.model
         pooling = read_pooling_config(loaded.model_dir, DEFAULT_ENCODER_POOLING)
-        embedder = cls(lambda batch: forward_encoder(model, batch), pooling,
-                       min(config.max_model_len, model.max_positions), config.max_embedding_batch_tokens,
-                       loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
+        embedder = cls(lambda batch: forward_encoder(model, batch), pooling, encoder_limit(config, model),
+                       config.max_embedding_batch_tokens, loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
         if next(model.parameters()).device.type == "cuda":
             for length in sorted({min(2 ** i, embedder.max_model_len) for i in range(4, 8)}):
                 embedder.embed([[0] * length])
@@ -121,8 +125,8 @@ class Embedder:
         model = loaded.model
         return cls(lambda batch: forward_encoder(model, batch), PoolingConfig("cls", normalize=False,
                                                                               max_seq_length=None),
-                   min(config.max_model_len, model.max_positions), config.max_embedding_batch_tokens,
-                   model.num_labels, loaded.hf_config.vocab_size, head=model.classify)
+                   encoder_limit(config, model), config.max_embedding_batch_tokens, model.num_labels,
+                   loaded.hf_config.vocab_size, head=model.classify)
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:

@@ -7,9 +7,11 @@ from torch import Tensor
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedding import Embedder
+from engine.images import PromptImage, place_images
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.speculation import NO_SPECULATION, Speculator
 from engine.tensor_parallel import TensorParallelRanks
 from models.model_files import read_generation_config
 
@@ -32,8 +34,12 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.runner.model.kv_window)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
+        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs)
+                           if config.num_speculative_tokens else None)
+        self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """ValueError saying what is wrong with a prompt the engine cannot serve."""
@@ -50,13 +56,34 @@ class EngineCore:
                              f"[0, {self.runner.vocab_size})")
 
     def make_sequence(self, request_id, prompt_token_ids: list[int], params, constraint=None,
-                      shares_prompt_with: Sequence | None = None) -> Sequence:
+                      shares_prompt_with: Sequence | None = None, images: list[PromptImage] = ()) -> Sequence:
         """constraint: what tokens the request may take (engine/constraints.py); shares_prompt_with: a request
         with the same prompt (n choices of one completion), whose prompt blocks this one takes from the prefix
-        cache once they are computed."""
+        cache once they are computed. images: the prompt's images, in the order of their runs of image tokens
+        (engine/images.py); an image belongs to one prompt (the choices of one request share it, and its soft
+        tokens, computed once)."""
         self.check_prompt(prompt_token_ids)
+        images = list(images)
+        self.check_images(prompt_token_ids, images)
         return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids, constraint,
-                        shares_prompt_with)
+                        shares_prompt_with, images)
+
+    def check_images(self, prompt_token_ids: list[int], images: list[PromptImage]) -> None:
+        """Places the images on their runs of image tokens; ValueError when the model reads no images, or they
+        and the prompt do not match, or a pixel tensor is not the encoder's shape."""
+        vision = self.runner.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"model {self.model} does not read images (served as a text model)")
+            return
+        for i, image in enumerate(images):
+            if image.pixel_values is not None and tuple(image.pixel_values.shape) != vision.pixel_shape:
+                raise ValueError(f"image {i} has pixel values of shape {tuple(image.pixel_values.shape)}; the "
+                                 f"image encoder takes {vision.pixel_shape}")
+        place_images(prompt_token_ids, images, vision.image_token_id, vision.tokens_per_image)
+        if images and vision.tokens_per_image > self.max_num_batched_tokens:
+            raise ValueError(f"an image is {vision.tokens_per_image} tokens, more than the step budget "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: raise it to serve images")
 
     def add(self, seq: Sequence) -> None:
         """Queues a request made by make_sequence; step() computes it."""
@@ -88,20 +115,29 @@ class EngineCore:
 
         A step N+1 with constrained rows runs its forward ahead like any other, but is sampled only here,
         after step N's tokens are on the host and the constraints have accepted them: the masks are filled
-        while the device runs N+1's forward, which waits for them only if that takes longer than the forward."""
+        while the device runs N+1's forward, which waits for them only if that takes longer than the forward.
+
+        With speculation on (engine/speculation.py), a step whose requests draft is neither launched ahead nor
+        followed by a step launched ahead: its drafts need the tokens before them, and how many tokens each
+        request takes is known only once it is verified. The speculator decides per step which way pays."""
         launched, self.in_flight = self.in_flight, None
+        drafting = launched is None and self._draft()
         seqs, num_tokens = (launched.seqs, launched.num_tokens) if launched else self.scheduler.schedule()
         if not seqs:
             return []
+        if launched is None and self.runner.warming_up and decoding_only(seqs, num_tokens):
+            self.finish_warm_up()  # decode (or verification) rows only: from here on the graphs pay
         try:
             launched = launched or self.runner.launch(seqs, num_tokens)
-            if self.overlap and launched.plannable:
+            if self.overlap and launched.plannable and not self.runner.warming_up:  # warm-up needs none in flight
                 self.in_flight = self._launch_next(launched)
             sampled, logprobs = self.runner.finish(launched)
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine step failed; its requests end with finish_reason 'error'")
             self.in_flight = None
             return self._fail(seqs, exc)
+        if self.speculator:
+            self._measure(launched, sampled, drafting)
         results = self.scheduler.update(seqs, num_tokens, sampled, logprobs)
         if self.in_flight is not None and self.in_flight.deferred:
             try:
@@ -112,6 +148,38 @@ class EngineCore:
                 results += self._fail(failed, exc)
         return results
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether the runner's warm-up (the LM head's shapes, the CUDA graphs) has parts still to run."""
+        return self.runner.warming_up
+
+    def warm_up_next(self) -> None:
+        """One part of the runner's warm-up (ModelRunner.warm_up_next), between steps; the engine thread calls it
+        while idle, so a request that arrives waits for one part at most."""
+        if self.in_flight is None and self.runner.warming_up:
+            self.runner.collective("warm_up_next")
+
+    def finish_warm_up(self) -> None:
+        """The rest of the runner's warm-up, at once (nothing may be in flight)."""
+        while self.runner.warming_up:
+            self.runner.collective("warm_up_next")
+
+    def _draft(self) -> bool:
+        """Gives the running requests draft tokens when the next step is to draft (it is scheduled next)."""
+        drafting, self.draft_next = self.draft_next or bool(
+            self.speculator and self.scheduler.running and self.speculator.decide(self.scheduler.running)), False
+        if drafting:
+            self.speculator.propose(self.scheduler.running)
+        return drafting
+
+    def _measure(self, launched: LaunchedStep, sampled: list, drafting: bool) -> None:
+        """Counts a step's verified drafts and times it for the speculator's choice of mode."""
+        if launched.drafts is not None:
+            self.speculator.verified(launched.seqs, sampled)
+        decoding = decoding_only(launched.seqs, launched.num_tokens)
+        num_tokens = sum(len(tokens) if isinstance(tokens, list) else tokens is not None for tokens in sampled)
+        self.speculator.step_done(len(launched.seqs), drafting, decoding, num_tokens)
+
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
         failed = [seq for seq in seqs if not seq.is_finished]
         self.scheduler.fail(failed, f"{type(exc).__name__}: {exc}")
@@ -120,6 +188,9 @@ class EngineCore:
     def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
         """The step after `launched`, launched before its sampled ids are read, or None when the scheduler
         must wait for them."""
+        if self.speculator and self.speculator.decide(self.scheduler.running):
+            self.draft_next = True  # drafts need this step's tokens
+            return None
         planned = self.scheduler.schedule_ahead(launched.seqs, launched.num_tokens, launched.sample_rows)
         if planned is None or not planned[0]:
             return None
@@ -130,7 +201,8 @@ class EngineCore:
         bm = self.block_manager
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
-                "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions}
+                "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
+                **(self.speculator.stats() if self.speculator else NO_SPECULATION)}
 
 
 def eos_token_ids(loaded) -> tuple[int, ...]:
@@ -141,3 +213,8 @@ def eos_token_ids(loaded) -> tuple[int, ...]:
         if source is not None:
             found.extend(source if isinstance(source, (list, tuple)) else [source])
     return tuple(dict.fromkeys(int(token) for token in found))
+
+
+def decoding_only(seqs: list[Sequence], num_tokens: list[int]) -> bool:
+    """Whether every row of a step decodes: one token, plus the draft tokens it verifies (no prompt chunk)."""
+    return all(n == 1 + len(seq.draft_token_ids) for seq, n in zip(seqs, num_tokens))

@@ -16,7 +16,7 @@ largest value, 448, rounded up to a power of two (exact to divide by and to mult
 bits from 2^-6 to 448 times the scale, with subnormals below: such a scale leaves room for values 4 to 8 times the
 calibrated peak and full precision down to 1/3,500 of it or further, where a scale of 1 (vLLM's default) stores a
 layer of small values (|v| < 2^-6) in subnormals. Per-layer scales rather than per-KV-head ones: the finer ones
-measured no better (bench/fp8_kv_accuracy.py compares the choices; bench/RESULTS.md has what it measured).
+measured no better (bench/RESULTS.md's decisions log has what each choice gave).
 """
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig
 from engine.embedding import forward_decoder
+from engine.startup_log import phase
 from kernels import FP8_KV_CACHE_DTYPE, AttentionMetadata, gumbel_argmax
 from models.kv_scales import heads_of_rank, read_kv_scales
 from models.loader import safetensors_files
@@ -51,10 +52,12 @@ def allocate_kv_cache(model, config: EngineConfig, max_model_len: int, model_dir
         raise RuntimeError(f"no memory left for the KV cache (a block needs {block_bytes} bytes): raise "
                            "HFENDPOINT_GPU_MEMORY_UTILIZATION / HFENDPOINT_CPU_KV_CACHE_GB or lower "
                            "HFENDPOINT_MAX_BATCHED_TOKENS")
-    num_layers, *layer_shape = model.kv_cache_shape(num_blocks, config.block_size)
-    k_caches, v_caches = ([torch.zeros(layer_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-                          for _ in range(2))
-    model.set_kv_cache(k_caches, v_caches, *scales)
+    with phase("KV pool", lambda: f"{num_blocks} blocks of {config.block_size} tokens, "
+               f"{num_blocks * block_bytes / 2**30:.2f} GiB"):
+        num_layers, *layer_shape = model.kv_cache_shape(num_blocks, config.block_size)
+        k_caches, v_caches = ([torch.zeros(layer_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                              for _ in range(2))
+        model.set_kv_cache(k_caches, v_caches, *scales)
     return num_blocks
 
 
@@ -142,7 +145,8 @@ def blocks_fitting_gpu(model, config: EngineConfig, max_model_len: int, block_by
     device = next(model.parameters()).device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    profile_forward(model, config, max_model_len)
+    with phase("profile step", lambda: f"{config.max_num_batched_tokens} tokens and sampling: its kernels compile"):
+        profile_forward(model, config, max_model_len)
     free, total = torch.cuda.mem_get_info(device)
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     budget = total * config.gpu_memory_utilization - (total - free) - peak_extra

@@ -5,6 +5,7 @@ import time
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.startup_log import note, phase
 from engine.tensor_parallel import load_on_all_ranks
 from models.model_files import load_tokenizer
 
@@ -16,13 +17,16 @@ OFFLINE_MAX_BATCHED_TOKENS = 16384
 
 class LLM:
     def __init__(self, model_path: str, **config_overrides):
+        note("engine starting")
         config_overrides.setdefault("max_num_batched_tokens", OFFLINE_MAX_BATCHED_TOKENS)
         self.config = EngineConfig(model=model_path, **config_overrides)
         loaded, self.ranks = load_on_all_ranks(self.config)
         if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
             raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
         self.core = EngineCore(self.config, loaded, self.ranks)
-        self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
+        with phase("tokenizer"):
+            self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
+        note("engine ready")
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (with one rank there is nothing to stop)."""
@@ -31,18 +35,23 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False, constraints: list | None = None) -> list[dict]:
+                 progress: bool = False, constraints: list | None = None, images: list | None = None
+                 ) -> list[dict]:
         """Runs every prompt to completion; returns [{"text", "token_ids", "logprobs", "prompt_logprobs"}] in prompt
         order (text is None for a model without a tokenizer; logprobs, per token, and prompt_logprobs, per prompt
-        token, where the params ask). constraints: one per prompt (or None), engine/constraints.py."""
+        token, where the params ask). constraints: one per prompt (or None), engine/constraints.py. images: per
+        prompt, its images (engine/images.py's PromptImage, in the order of their runs of image tokens), for a model
+        that reads images."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         constraints = constraints or [None] * len(prompts)
-        if not len(sampling_params) == len(constraints) == len(prompts):
-            raise ValueError(f"{len(prompts)} prompts, {len(sampling_params)} sampling params and "
-                             f"{len(constraints)} constraints")
-        seqs = [self.core.make_sequence(i, self._encode(prompt), params, constraint)
-                for i, (prompt, params, constraint) in enumerate(zip(prompts, sampling_params, constraints))]
+        images = images or [()] * len(prompts)
+        if not len(sampling_params) == len(constraints) == len(images) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, {len(sampling_params)} sampling params, "
+                             f"{len(constraints)} constraints and {len(images)} image lists")
+        seqs = [self.core.make_sequence(i, self._encode(prompt), params, constraint, images=prompt_images)
+                for i, (prompt, params, constraint, prompt_images)
+                in enumerate(zip(prompts, sampling_params, constraints, images))]
         for seq in seqs:
             self.core.add(seq)
         done, started = 0, time.perf_counter()

@@ -114,6 +114,52 @@ class Sampler:
         sampled = self.choose(logits, seqs, plan, ahead)
         return sampled, top_logprobs(logits, sampled, plan) if plan.logprob_rows else None
 
+    @torch.inference_mode()
+    def verify(self, logits: Tensor, row_seqs: list[Sequence], targets: np.ndarray,
+               masks: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Speculative sampling over the rows of a verification step: logits [R, V], row_seqs[r] the request of
+        row r (a request verifying d draft tokens has d + 1 consecutive rows), targets[r] the draft token row r
+        judges (-1: a request's last row, which only draws). Returns int64 [2 R] on the device, each row's
+        drawn token then whether it accepts its draft token, and the logprobs of the rows that ask (of the
+        token each row contributes: its draft token where accepted, else its drawn one).
+
+        A greedy row accepts its draft token when it is the argmax, else its token is the argmax. Any other
+        row accepts draft token x with probability p(x), p its distribution after temperature, top-k, top-p and
+        min-p (the rule of speculative sampling for a drafter that proposes x with certainty), and draws from p
+        without x, renormalised: the residual max(p - q, 0) of that rule. A request takes its accepted prefix
+        and then the token of its first rejecting row (or of its last row), so each token it takes has exactly
+        the distribution plain sampling gives it. Penalised requests, and seeded ones that are not greedy, never
+        draft."""
+        plan = self.plan_for(row_seqs)
+        if plan.bias is not None:
+            logits = logits.float().index_put_(plan.bias[:2], plan.bias[2], accumulate=True)
+        if masks is not None:
+            kernels.apply_token_bitmask(logits, *masks)
+        targets = self.uploads.upload(targets)
+        judged = targets >= 0
+        draft = targets.clamp(min=0)
+        argmax = logits.argmax(-1)
+        if plan.all_greedy:
+            drawn, accepted = argmax, judged & (argmax == draft)
+        else:
+            kept = logits.float()
+            if plan.uses_masks:
+                kept = kept.masked_fill(self.dropped(logits, plan), float("-inf"))
+            probs = torch.softmax(kept / plan.temperature[:, None], dim=-1)
+            accepted = judged & (torch.rand(len(targets), device=logits.device)
+                                 < probs.gather(1, draft[:, None]).squeeze(1))
+            residual = kept.scatter(1, draft[:, None], torch.where(judged, float("-inf"), kept.gather(
+                1, draft[:, None]).squeeze(1))[:, None])
+            seeds = self.uploads.upload(self.row_seed_source.integers(0, INT63, size=len(targets), dtype=np.int64))
+            drawn = kernels.gumbel_argmax(residual, plan.temperature_or_zero, seeds)
+            if plan.any_greedy:
+                drawn = torch.where(plan.greedy, argmax, drawn)
+                accepted = torch.where(plan.greedy, judged & (argmax == draft), accepted)
+        packed = torch.cat((drawn, accepted.long()))
+        if not plan.logprob_rows:
+            return packed, None
+        return packed, top_logprobs(logits, torch.where(accepted, draft, drawn), plan)
+
     def choose(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int | list[int]) -> Tensor:
         if plan.all_greedy:
             return logits.argmax(-1)

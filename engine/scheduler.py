@@ -2,12 +2,15 @@
 
 Running requests first (oldest first), then waiting ones, under one token budget and a cap on running
 requests. Blocks are allocated for exactly the tokens a step computes; when they run out, the newest
-running request is preempted (blocks freed, back to the front of the waiting queue, recomputed later).
+running request is preempted (blocks freed, back to the front of the waiting queue, recomputed later). A
+prompt chunk never ends inside an image (engine/images.py): a request whose image does not fit the budget left
+waits for the next step.
 """
 from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.images import fit_chunk
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -34,8 +37,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = fit_chunk(seq.images, seq.num_computed_tokens,
+                          min(len(seq.token_ids) + len(seq.draft_token_ids) - seq.num_computed_tokens, budget))
+            if not n:  # the rest of an image does not fit this step
+                i += 1
+                continue
+            del seq.draft_token_ids[max(n - 1, 0):]  # the budget cuts the draft short
             while not self.block_manager.allocate(seq, n):
+                if seq.draft_token_ids:  # drafts never preempt a request: verify none this step
+                    seq.draft_token_ids.clear()
+                    n = 1
+                    continue
                 preempted = True
                 self._preempt(self.running.pop())  # the newest; never one already scheduled (all before i)
                 if len(self.running) == i:  # seq itself was the newest
@@ -45,6 +57,8 @@ class Scheduler:
                 num_tokens.append(n)
                 budget -= n
                 i += 1
+        for seq in self.running[i:]:  # left out of this step: their drafts would be stale by the next
+            seq.draft_token_ids.clear()
         if not preempted:
             self._admit(seqs, num_tokens, budget)
         return seqs, num_tokens
@@ -58,8 +72,8 @@ class Scheduler:
                 break
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
-            n = min(len(seq) - num_cached, budget)
-            if not self.block_manager.allocate(seq, n, cached_prefix):
+            n = fit_chunk(seq.images, num_cached, min(len(seq) - num_cached, budget))
+            if not n or not self.block_manager.allocate(seq, n, cached_prefix):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -74,6 +88,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -104,7 +119,10 @@ class Scheduler:
             if not budget:
                 break
             n_flying = flying.get(id(seq), 0)
-            n = min(len(seq) - seq.num_computed_tokens - n_flying, budget)
+            start = seq.num_computed_tokens + n_flying
+            n = fit_chunk(seq.images, start, min(len(seq) - start, budget))
+            if not n:
+                continue
             if not self.block_manager.allocate(seq, n_flying + n):
                 return None
             seqs.append(seq)
@@ -127,6 +145,10 @@ class Scheduler:
         for seq, n, token_id, token_logprobs in zip(seqs, num_tokens, sampled, logprobs):
             if seq.is_finished:
                 continue
+            if isinstance(token_id, list):  # a verification step's tokens: accepted drafts, then the model's own
+                finished |= self._append_verified(seq, token_id, token_logprobs)
+                results.append((seq, seq.token_ids[-1]))
+                continue
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             self.block_manager.free_out_of_window(seq)
@@ -136,6 +158,23 @@ class Scheduler:
         if finished:
             self._retire()
         return results
+
+    def _append_verified(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> bool:
+        """Applies a verification step: appends its tokens until one finishes the request, counts as computed
+        the tokens whose KV the step wrote and that stayed (the input token and the accepted drafts; a
+        request that finishes keeps fewer), and frees the blocks taken for the rejected drafts. Returns
+        whether the request finished."""
+        seq.draft_token_ids.clear()
+        finished = False
+        for i, token_id in enumerate(tokens):
+            if seq.append_token(token_id, logprobs[i] if logprobs else None):
+                finished = True
+                break
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.block_manager.release_uncomputed(seq)
+        self.block_manager.commit(seq)
+        self.block_manager.free_out_of_window(seq)
+        return finished
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         """Finishes requests whose step raised; their partially written blocks are never committed."""

@@ -3,6 +3,9 @@ from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
 
+# What a request's drafts are expected to achieve before any is verified: optimistic, so drafting starts long.
+INITIAL_ACCEPTANCE = 0.8
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -18,16 +21,17 @@ class Sequence:
     constraint: an opaque object that says which tokens may come next (engine/constraints.py); it accepts
     each token the request takes, once, and the request ends ("stop") when it terminates. shares_prompt_with:
     another request with the same prompt, whose computed prompt blocks this one takes from the prefix cache
-    (it is admitted once that one's prompt is computed)."""
+    (it is admitted once that one's prompt is computed). images: the prompt's images, placed
+    (engine/images.py)."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
                  "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
-                 "prompt_logprobs")
+                 "draft_token_ids", "draft_state", "acceptance", "images", "prompt_logprobs")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
-                 shares_prompt_with: "Sequence | None" = None):
+                 shares_prompt_with: "Sequence | None" = None, images: list | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -48,6 +52,10 @@ class Sequence:
         self.constraint = constraint
         self.shares_prompt_with = shares_prompt_with
         self.logprobs: list[tuple[float, list[int], list[float]]] = []  # per output token, when params ask
+        self.draft_token_ids: list[int] = []  # guesses of the tokens after token_ids, verified by the next step
+        self.draft_state = None               # the drafter's own record of this request (engine/drafters.py)
+        self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
+        self.images = images or []
         # per prompt token, when params ask (None for the first, which nothing predicts), filled as steps compute
         # the positions before each: engine/prompt_logprobs.py
         self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = (

@@ -56,6 +56,17 @@ def longest_first(seq_lens: np.ndarray, num_rows: int) -> np.ndarray:
     return np.concatenate((np.argsort(-seq_lens, kind="stable"), np.arange(len(seq_lens), num_rows)))
 
 
+def verified_rows(ends: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+    """The token rows whose logits a step samples: each sampling sequence's last, and before it one per
+    draft token it verifies (the model's choice after each token it is given). ends: where each sampling
+    sequence's tokens end in the step."""
+    if not drafted.any():
+        return ends - 1
+    counts = drafted + 1
+    firsts = np.cumsum(counts) - counts
+    return np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(firsts, counts)
+
+
 def aligned(count: int) -> int:
     """Where an array of `count` elements ends when every staged array starts at a multiple of 16 elements.
     Triton specialises a kernel on whether each pointer is 16-byte aligned, so packed arrays whose alignment
@@ -95,7 +106,8 @@ class StepBuffers:
         self.max_blocks_per_seq = width = -(-max_model_len // config.block_size)
         max_rows = config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, max_rows)
-        self.longs = StagingBuffer(3 * aligned(max_tokens) + max_rows, torch.int64, device)
+        max_logits = max_rows * (1 + config.num_speculative_tokens)  # a verification step: each draft token too
+        self.longs = StagingBuffer(3 * aligned(max_tokens) + max_logits, torch.int64, device)
         self.table_offset = aligned(aligned(aligned(max_rows + 1) + max_rows) + max_rows)
         self.ints = StagingBuffer(self.table_offset + max_rows * width, torch.int32, device)
         self.block_tables = self.ints.array[self.table_offset:].reshape(max_rows, width)
@@ -136,57 +148,76 @@ class StepBuffers:
                 owners[row], lengths[row] = blocks, len(blocks)
         return tables
 
+    def verifies_as_rows(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Whether the step only verifies drafts (each request computes its last token and its draft tokens)
+        and can be staged with a decode row per token (stage's as_rows)."""
+        return (sum(num_tokens) <= len(self.table_owners) and any(seq.draft_token_ids for seq in seqs)
+                and all(n == 1 + len(seq.draft_token_ids) == len(seq.token_ids) + len(seq.draft_token_ids)
+                        - seq.num_computed_tokens for seq, n in zip(seqs, num_tokens)))
+
     def stage(self, seqs: list[Sequence], num_tokens: list[int], graph: GraphShape | None = None,
-              ahead: list[int] | None = None, follows: list[int] = ()) -> StagedStep:
+              ahead: list[int] | None = None, follows: list[int] = (), as_rows: bool = False) -> StagedStep:
         """ahead: the tokens each sequence has in the step in flight (not yet counted as computed). follows: the
         first len(follows) sequences compute one token each, the one sampled in these rows of the step in
-        flight (not yet on the host)."""
-        num_seqs, num_rows, num_follows = len(seqs), graph.num_rows if graph else len(seqs), len(follows)
+        flight (not yet on the host). as_rows: a verification step (verifies_as_rows) staged as a decode step
+        of one row per token, each row attending to its request's cache up to its own position: the decode
+        kernels and graphs, whose cost at a small batch hardly grows with rows, serve it."""
+        num_seqs, num_follows = len(seqs), len(follows)
         longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
         starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=num_seqs)
         if ahead is not None:
             starts += np.array(ahead, dtype=np.int64)
         seq_lens = starts + counts
-        cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu_seqlens[1:num_seqs + 1])
-        total = int(cu_seqlens[num_seqs])
-        padding_rows = np.arange(1, num_rows - num_seqs + 1) if graph and graph.is_decode else 0
-        cu_seqlens[num_seqs + 1:] = total + padding_rows
+        ends = np.cumsum(counts)  # where each sequence's tokens end in the step
+        total = int(ends[-1]) if num_seqs else 0
+        num_attending = total if as_rows else num_seqs  # rows of the attention metadata
+        num_rows = graph.num_rows if graph else num_attending
         size = graph.num_tokens if graph else total  # tokens in the step, padding included
         tokens_at, lens_at = aligned(size), aligned(num_rows + 1)
         input_ids, positions, slot_mapping = (longs[i * tokens_at:i * tokens_at + size] for i in range(3))
         input_ids[:num_follows] = follows
         input_ids[num_follows:total] = np.fromiter(itertools.chain.from_iterable(
-            seq.token_ids[start:start + n] for seq, start, n in
+            (seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids)[start:start + n]
+            for seq, start, n in
             zip(seqs[num_follows:], starts[num_follows:].tolist(), num_tokens[num_follows:])),
             dtype=np.int64, count=total - num_follows)
-        positions[:total] = np.arange(total) - np.repeat(cu_seqlens[:num_seqs] - starts, counts)
-        rows = np.repeat(np.arange(num_seqs), counts)
-        tables = self._stage_block_tables(seqs)
+        positions[:total] = np.arange(total) - np.repeat(ends - counts - starts, counts)
+        if as_rows:
+            tables = self._stage_block_tables([seq for seq, n in zip(seqs, num_tokens) for _ in range(n)])
+            rows, attended = np.arange(total), positions[:total] + 1
+            row_counts = np.ones(total, dtype=np.int64)
+        else:
+            tables = self._stage_block_tables(seqs)
+            rows, attended, row_counts = np.repeat(np.arange(num_seqs), counts), seq_lens, counts
         slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
                                 + positions[:total] % self.block_size)
         input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
-        lengths = np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(row_counts, out=cu_seqlens[1:num_attending + 1])
+        padding_rows = np.arange(1, num_rows - num_attending + 1) if graph and graph.is_decode else 0
+        cu_seqlens[num_attending + 1:] = total + padding_rows
+        drafted = np.fromiter([len(seq.draft_token_ids) for seq in seqs], dtype=np.int64, count=num_seqs)
+        lengths = np.fromiter([len(seq.token_ids) for seq in seqs], dtype=np.int64, count=num_seqs) + drafted
         lengths[:num_follows] += 1  # the token in flight
         samples = seq_lens == lengths
-        logits_indices = cu_seqlens[1:num_seqs + 1][samples] - 1
+        logits_indices = verified_rows(ends[samples], drafted[samples])
         num_logits = len(logits_indices)
         longs[3 * tokens_at:3 * tokens_at + num_logits] = logits_indices
         ints[:num_rows + 1] = cu_seqlens
-        ints[lens_at:lens_at + num_seqs] = seq_lens
-        ints[lens_at + num_seqs:lens_at + num_rows] = 1
+        ints[lens_at:lens_at + num_attending] = attended
+        ints[lens_at + num_attending:lens_at + num_rows] = 1
         columns = -(-int(seq_lens.max(initial=0)) // self.block_size)
-        is_decode = graph.is_decode if graph else bool((counts == 1).all())
+        is_decode = graph.is_decode if graph else bool((row_counts == 1).all())
         order_at = lens_at + aligned(num_rows)
         if is_decode:
-            ints[order_at:order_at + num_rows] = longest_first(seq_lens, num_rows)
+            ints[order_at:order_at + num_rows] = longest_first(attended, num_rows)
         return StagedStep(
             size, num_rows, num_logits,
-            max_seqlen_q=size if graph and not graph.is_decode else max(num_tokens, default=1),
+            max_seqlen_q=size if graph and not graph.is_decode else int(row_counts.max(initial=1)),
             max_seqlen_k=self.max_model_len if graph else int(seq_lens.max()),  # a graph serves any length
             is_decode=is_decode,
-            logits_lead=num_logits == total,  # one token per sequence: the logits rows lead the step
+            logits_lead=num_logits == total,  # every token samples: the logits rows are the step's first rows
             sample_rows=np.flatnonzero(samples).tolist(), graph=graph, num_follows=num_follows,
             host=(longs[:3 * tokens_at + num_logits], ints[:order_at + num_rows], tables[:num_rows, :columns]))
 

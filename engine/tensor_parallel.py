@@ -26,8 +26,10 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
-from engine.heap import freeze_startup_objects
+from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
+from engine.startup_log import phase
+from kernels import gpu_features
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
 
@@ -39,6 +41,7 @@ PARENT_POLL_S = 0.2
 
 def check_config(config: EngineConfig) -> None:
     """Clear errors for a tensor-parallel size this model or host cannot run, before anything starts."""
+    config.check_device()
     size = config.tensor_parallel_size
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
@@ -62,10 +65,12 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
     theirs. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
     check_config(config)
+    gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     try:
-        loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
-                            config.cache_dir, config.max_model_len, config.fp8_gemm)
+        with phase("weights", lambda: weights_size(loaded.model)):
+            loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
+                                config.cache_dir, config.max_model_len, config.fp8_gemm)
         if ranks:
             ranks.wait_loaded()
     except BaseException:
@@ -73,6 +78,12 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
             ranks.shutdown()
         raise
     return loaded, ranks
+
+
+def weights_size(model) -> str:
+    """The model's parameters in GiB and where they live, for the start-up log."""
+    size = sum(param.numel() * param.element_size() for param in model.parameters())
+    return f"{size / 2**30:.2f} GiB on {next(model.parameters()).device}"
 
 
 class TensorParallelRanks:
@@ -201,6 +212,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     os.environ.update(NO_MULTICAST)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
     device = init_group(config, rank, store)
+    gpu_features.configure(config.disabled_gpu_features)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
                             config.fp8_gemm)

@@ -15,6 +15,8 @@ from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.speculation import NO_SPECULATION
+from engine.startup_log import note
 from engine.tensor_parallel import load_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class _Request:
     seq: Sequence
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    num_sent: int = 0  # output tokens delivered (a verification step adds several at once)
 
 
 @dataclass
@@ -56,9 +59,10 @@ class Worker:
         self.config = config
         self.on_fatal = on_fatal
         loaded, self.ranks = load_on_all_ranks(config)
-        self.kind, self.model_dir = loaded.kind, loaded.model_dir
+        self.kind, self.model_dir, self.weight_bytes = loaded.kind, loaded.model_dir, loaded.weight_bytes
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
+        self.reads_images = loaded.vision is not None  # submit() takes a prompt's images (engine/images.py)
         if self.kind in ("encoder", "classifier"):  # a classifier's "embeddings" are its logits
             self.core = None
             self.embedder = (Embedder.for_classifier if self.kind == "classifier" else Embedder.for_encoder)(config,
@@ -80,20 +84,21 @@ class Worker:
         self._thread.start()
         if self.ranks:
             self.ranks.watch(self._engine_lost)
+        note("engine ready")
 
     # ---- called from the event loop (any thread) ------------------------------------------------
 
     def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams, constraint=None,
-               queue: asyncio.Queue | None = None, shares_prompt_with=None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, shares_prompt_with=None, images=()) -> asyncio.Queue:
         """Queues a generation request; its outputs arrive on the returned queue (`queue` when given: requests
         may share one, their outputs told apart by request_id). constraint: engine/constraints.py.
         shares_prompt_with: the id of a request in flight with the same prompt, whose prompt blocks this one
-        takes from the prefix cache. Bad input -> ValueError."""
+        takes from the prefix cache. images: the prompt's (engine/images.py's PromptImage). Bad input -> ValueError."""
         if self.core is None:
             raise ValueError(f"model {self.config.model} is an embedding model: it serves embeddings only")
         with self._cond:
             leader = self._requests.get(shares_prompt_with) if shares_prompt_with is not None else None
-        seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq)
+        seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq, images)
         request = _Request(seq, asyncio.Queue() if queue is None else queue, asyncio.get_running_loop())
         with self._cond:
             self._check_running()
@@ -155,7 +160,7 @@ class Worker:
     def stats(self) -> dict:
         if self.core is None:
             return {"running": 0, "waiting": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-                    "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
+                    "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, **NO_SPECULATION}
         return self.core.stats()
 
     def shutdown(self) -> None:
@@ -173,7 +178,7 @@ class Worker:
         while True:
             with self._cond:
                 while not (self._stopped or self._lost or self._new or self._aborts or self._embed_jobs
-                           or (self.core and self.core.has_work())):
+                           or (self.core and (self.core.has_work() or self.core.warming_up))):
                     self._cond.wait()
                 if self._lost:  # its requests have been failed; no step can complete any more
                     return
@@ -211,6 +216,8 @@ class Worker:
             self._run_embed_jobs(jobs)
         if self.core and self.core.has_work():
             self._deliver(self.core.step())
+        elif self.core and self.core.warming_up:  # idle: the next part of the warm-up
+            self.core.warm_up_next()
 
     def _take_embed_jobs(self) -> list[_EmbedJob]:
         """Pending embedding calls up to max_embedding_batch_tokens (always at least one)."""
@@ -243,11 +250,14 @@ class Worker:
             request = self._requests.get(seq.request_id)
             if request is None or (token_id is None and not seq.is_finished):
                 continue
-            logprobs = seq.logprobs[-1:] if token_id is not None and seq.params.logprobs is not None else None
-            first = token_id is not None and seq.num_output_tokens == 1
-            output = RequestOutput(seq.request_id, [] if token_id is None else [token_id], seq.finish_reason,
-                                   seq.error, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                                   logprobs, seq.prompt_logprobs if first else None)
+            new_token_ids = [] if token_id is None else seq.output_token_ids[request.num_sent:]
+            logprobs = (seq.logprobs[request.num_sent:] if token_id is not None and seq.params.logprobs is not None
+                        else None)
+            first = request.num_sent == 0 and bool(new_token_ids)
+            request.num_sent += len(new_token_ids)
+            output = RequestOutput(seq.request_id, new_token_ids, seq.finish_reason, seq.error, seq.num_prompt_tokens,
+                                   seq.num_output_tokens, seq.num_cached_tokens, logprobs,
+                                   seq.prompt_logprobs if first else None)
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:

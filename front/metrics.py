@@ -3,7 +3,7 @@
 Measured here, per HTTP request: counts by route and status, the request's duration, time to first token
 and time per output token of chat requests. From the handler's `stats` handler (the health probe's last
 answer): running and waiting requests, KV cache blocks used and total, prefix-cache hit rate, preemptions,
-and whether the handler is ready.
+and whether the handler is ready; with several data-parallel engines, each one's gauges too (label `engine`).
 """
 from collections.abc import Callable
 
@@ -73,6 +73,20 @@ class _EngineCollector:
         if _is_number(stats.get("num_preemptions")):
             yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted for lack of KV cache blocks",
                                       value=stats["num_preemptions"])
+        engines = stats.get("engines")
+        if isinstance(engines, list) and engines:
+            yield from _per_engine(gauges, [e if isinstance(e, dict) else {} for e in engines])
+
+
+def _per_engine(gauges, engines: list[dict]):
+    """With data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE), each engine's own gauges, labelled by its index."""
+    for key, name, documentation in gauges:
+        family = GaugeMetricFamily(f"{PREFIX}_engine_{name}", f"{documentation}, per data-parallel engine",
+                                   labels=["engine"])
+        for index, stats in enumerate(engines):
+            if _is_number(stats.get(key)):
+                family.add_metric([str(index)], stats[key])
+        yield family
 
 
 def _is_number(value) -> bool:

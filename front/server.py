@@ -3,10 +3,10 @@
     python -m front [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- HANDLER_CMD...
 
 Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions and POST /v1/completions
-(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses, POST /v1/score, POST /v1/rerank and TEI's
-POST /rerank (cross-encoders). The whole chat request body is forwarded to the
-handler as `data`; a client that disconnects mid-stream makes the front send `cancel`. Port 0 picks a free
-port; the address is logged as "listening on http://HOST:PORT".
+(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses, POST /v1/messages (Anthropic's Messages API,
+front/anthropic.py), POST /v1/score, POST /v1/rerank and TEI's POST /rerank (cross-encoders). The whole chat request
+body is forwarded to the handler as `data`; a client that disconnects mid-stream makes the front send `cancel`.
+Port 0 picks a free port; the address is logged as "listening on http://HOST:PORT".
 
 Unlike the production daemon, it answers a handler's error reply with the HTTP status the reply carries
 (docs/errors.md), names the model as the handler does (its `models` reply), and /health answers 503 until
@@ -30,8 +30,10 @@ import uuid
 
 from aiohttp import web
 
+from daemon_protocol import RequestError
 from daemon_protocol.log import error
 
+from . import anthropic
 from .completions import CompletionReply, stream_choice as completion_choice
 from .handler_connection import CHAT_QUEUE_CHUNKS, HandlerConnection, HandlerError, HandlerGone, UnencodableRequest
 from .handler_health import HEALTH_TIMEOUT_S, HandlerHealth
@@ -102,12 +104,13 @@ async def count_requests(request: web.Request, handler):
 
 @web.middleware
 async def openai_errors(request: web.Request, handler):
-    """Every failure leaves as OpenAI-shaped JSON; the bearer token is checked on /v1 routes and TEI's /rerank."""
+    """Every failure leaves as OpenAI-shaped JSON; the API key (a bearer token, or Anthropic's x-api-key) is
+    checked on /v1 routes and TEI's /rerank."""
     key = request.app[SETTINGS]["api_key"]
     guarded = request.path.startswith("/v1/") or request.path == "/rerank"
-    if key and guarded and not bearer_matches(request.headers.get("Authorization", ""), key):
-        return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+    if key and guarded and not key_sent(request, key):
+        return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>'", code="invalid_api_key")
     try:
         return await handler(request)
     except ApiError as exc:
@@ -124,6 +127,12 @@ async def openai_errors(request: web.Request, handler):
         if exc.status == 413:
             return error_response(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         return error_response(exc.status, exc.reason)
+
+
+def key_sent(request: web.Request, key: str) -> bool:
+    """The key as a bearer token or in Anthropic's `x-api-key` header."""
+    return (bearer_matches(request.headers.get("Authorization", ""), key)
+            or hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key.encode()))
 
 
 def bearer_matches(authorization: str, key: str) -> bool:
@@ -388,6 +397,26 @@ def tei_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message, "error_type": kind}, status=status)
 
 
+# Anthropic Messages
+async def anthropic_messages(request: web.Request) -> web.StreamResponse:
+    """The Messages request as chat data on the same chat_completions call; the reply in Anthropic's shape."""
+    body = await read_json_object(request)
+    try:
+        data = anthropic.chat_data(body)
+    except RequestError as exc:
+        raise ApiError(exc.status, str(exc), exc.param) from None
+    events = anthropic.MessageEvents(model_name(request))
+    stream = await open_chat(request, data)
+    try:
+        if data["stream"]:
+            return await anthropic.stream_events(request, chat_chunks(request, stream), events)
+        async for payload in chat_chunks(request, stream):
+            events.add(payload)
+        return web.json_response(events.message())
+    finally:
+        stream.close()  # sends `cancel` when the client went away before the last chunk
+
+
 # Embeddings
 def token_lists_or_texts(value) -> tuple[list[str] | None, list[list[int]] | None]:
     """OpenAI's input forms: a string, strings, one token list, or token lists."""
@@ -484,7 +513,8 @@ async def responses(request: web.Request) -> web.Response:
 def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: float,
              health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S) -> web.Application:
     """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, openai_errors])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, anthropic.anthropic_errors,
+                                                                             openai_errors])
     app[CONNECTION] = connection
     app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "idle_timeout": idle_timeout,
                      "started": int(time.time())}
@@ -502,6 +532,7 @@ def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: 
     app.router.add_post("/v1/rerank", rerank)
     app.router.add_post("/rerank", tei_rerank)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post(anthropic.MESSAGES_PATH, anthropic_messages)
     return app
 
 

@@ -68,9 +68,11 @@ def configure_logging(transport_kind: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.transport_kind)
-    from engine import EngineConfig  # imported after the arguments are checked: torch takes seconds
+    from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
     from handler.model_source import ModelNotFound, resolve_model
+    from handler.service import Service  # xgrammar's imports among them: before the engine is ready
     from handler.settings import HandlerSettings
+    startup_log.note("imports done")
     try:
         settings = HandlerSettings.from_env()
         model = resolve_model()
@@ -84,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker, tokenizer = loaded
     try:
-        from engine.heap import freeze_startup_objects
-        from handler.service import Service
-        service = Service(worker, tokenizer, name, settings)
+        from engine.gc_freeze import freeze_startup_objects
+        with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
+            service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
         freeze_startup_objects()
+        startup_log.note("serving")
         daemon_protocol.serve(args.transport, drain_timeout=settings.drain_timeout)
         return 0
     finally:
@@ -99,15 +102,17 @@ def main(argv: list[str] | None = None) -> int:
 def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
     reason logged) when loading fails."""
-    from engine import Worker
+    from engine import startup_log
+    from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
     log.info(f"loading {name} ({path})")
     started = time.perf_counter()
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
     try:
-        tokenizer = load_tokenizer(path, config.cache_dir)
-        worker = Worker(config, on_fatal=exit_soon)
+        with startup_log.phase("tokenizer"):
+            tokenizer = load_tokenizer(path, config.cache_dir)
+        worker = make_worker(config, on_fatal=exit_soon)
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
@@ -116,8 +121,10 @@ def load(name: str, path: str, config):
     blocks = worker.stats()["num_total_blocks"]
     kv_dtype = str(config.kv_cache_torch_dtype).removeprefix("torch.")
     kv_cache = f", {blocks} KV blocks ({blocks * config.block_size} tokens, {kv_dtype})" if blocks else ""
-    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, "
-             f"max_model_len {worker.max_model_len}{kv_cache}")
+    engines = f", {config.data_parallel_size} data-parallel engines" if config.data_parallel_size > 1 else ""
+    log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
+             f"{worker.weight_bytes / 2**30:.2f} GiB{' each' if engines else ''}, max_model_len "
+             f"{worker.max_model_len}{kv_cache}{engines}")
     return worker, tokenizer
 
 

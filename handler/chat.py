@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from daemon_protocol import RequestError
 from engine import SamplingParams
+from handler.images import is_image_part
 from models.model_files import read_generation_config
 
 MAX_STOP_STRINGS = 16  # each is checked against the held-back text after every token
@@ -65,6 +66,7 @@ class ChatModel:
     grammars: object = None  # handler.grammar.Grammars; None: no grammar-constrained output
     max_chars_per_token: int | None = None  # from max_chars_per_token(tokenizer); None: no bound before tokenizing
     trust_request_chat_template: bool = False  # HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE
+    vision: object = None  # handler.images.VisionPrompt of a model that reads images; None: image parts refused
 
 
 @dataclass(frozen=True)
@@ -73,18 +75,25 @@ class ChatRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     output: object = None  # handler.output_plan.OutputPlan: choices, grammar, tool calls, reasoning
+    images: tuple = ()  # engine.images.PromptImage of each image part, in prompt order
 
 
-def parse_chat_request(data, model: ChatModel) -> ChatRequest:
+def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> ChatRequest:
+    """image_sources: the request's image parts, gathered (handler/images.py's ImageFetcher); decoded and
+    preprocessed here, on the encoding thread."""
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
     check_field_types(data)
     from handler.output_plan import plan_output, with_prompt  # here: those modules import this one's helpers
     from handler.tools import prepare_tool_turns
-    messages = prepare_tool_turns(parse_messages(data.get("messages")))
+    messages = prepare_tool_turns(parse_messages(data.get("messages"), model.vision is not None))
     output = plan_output(data, model)
     prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools,
                            model.trust_request_chat_template)
+    images = ()
+    if image_sources:
+        prompt = model.vision.expand(prompt, len(image_sources))
+        images = tuple(model.vision.prepare(source) for source in image_sources)
     check_prompt_chars(len(prompt), model)
     prompt_token_ids = encode_prompt(model.tokenizer, prompt)
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
@@ -92,7 +101,7 @@ def parse_chat_request(data, model: ChatModel) -> ChatRequest:
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
     params = sampling_params(fields, {**output.sampling, "max_tokens": max_tokens}, model)
     return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")),
-                       with_prompt(output, model.tokenizer.chat_template, prompt))
+                       with_prompt(output, model.tokenizer.chat_template, prompt), images)
 
 
 def sampling_params(fields: dict, settings: dict, model: ChatModel) -> SamplingParams:
@@ -125,19 +134,20 @@ def is_a(value, kind: str) -> bool:
     return isinstance(value, {"boolean": bool, "string": str, "map": dict}[kind])
 
 
-def parse_messages(messages) -> list[dict]:
+def parse_messages(messages, reads_images: bool = False) -> list[dict]:
     if messages is None:
         raise RequestError("messages is required", param="messages")
     if not isinstance(messages, list):
         raise RequestError(f"messages must be a list of messages, got {type_name(messages)}", param="messages")
     if not messages:
         raise RequestError("messages must not be empty", param="messages")
-    return [parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    return [parse_message(message, f"messages[{i}]", reads_images) for i, message in enumerate(messages)]
 
 
-def parse_message(message, where: str) -> dict:
-    """A copy with a known role (default "user"; developer becomes system) and string content; other keys
-    pass to the template."""
+def parse_message(message, where: str, reads_images: bool = False) -> dict:
+    """A copy with a known role (default "user"; developer becomes system) and string content (with image parts,
+    when the model reads images, the list of text and {"type": "image"} parts multimodal templates read); other
+    keys pass to the template."""
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be a map with role and content, got {type_name(message)}", param="messages")
     role = message.get("role")
@@ -149,8 +159,13 @@ def parse_message(message, where: str) -> dict:
         raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
     if message.get("name") is not None and not isinstance(message["name"], str):
         raise RequestError(f"{where}.name must be a string, got {type_name(message['name'])}", param="messages")
+    content = message.get("content")
+    if reads_images and isinstance(content, list) and any(map(is_image_part, content)):
+        parts = [{"type": "image"} if is_image_part(part) else
+                 {"type": "text", "text": part_text(part, f"{where}.content[{i}]")} for i, part in enumerate(content)]
+        return {**message, "role": TEMPLATE_ROLES.get(role, role), "content": parts}
     return {**message, "role": TEMPLATE_ROLES.get(role, role),
-            "content": message_text(message.get("content"), f"{where}.content")}
+            "content": message_text(content, f"{where}.content")}
 
 
 def message_text(content, where: str) -> str:
@@ -161,15 +176,18 @@ def message_text(content, where: str) -> str:
     if not isinstance(content, list):
         raise RequestError(f"{where} must be a string or a list of text parts, got {type_name(content)}",
                            param="messages")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type", "text") not in TEXT_PART_TYPES:
-            kind = part.get("type") if isinstance(part, dict) else type_name(part)
-            raise RequestError(f"{where}[{i}]: only text parts are supported, got {kind}", param="messages")
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{i}].text must be a string", param="messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
+
+
+def part_text(part, where: str) -> str:
+    if is_image_part(part):
+        raise RequestError(f"{where}: this model does not read images (image_url parts)", param="messages")
+    if not isinstance(part, dict) or part.get("type", "text") not in TEXT_PART_TYPES:
+        kind = part.get("type") if isinstance(part, dict) else type_name(part)
+        raise RequestError(f"{where}: only text parts are supported, got {kind}", param="messages")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string", param="messages")
+    return part["text"]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict,

@@ -46,7 +46,7 @@ class ChatReplies:
                 choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
                 worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
                               constraint=choice.constraint, queue=queue,
-                              shares_prompt_with=f"{request_id}/0" if index else None)
+                              shares_prompt_with=f"{request_id}/0" if index else None, images=request.images)
                 choices[choice_id] = choice
             while any(choice.finish_reason is None for choice in choices.values()):
                 batch = [await queue.get()]
@@ -137,6 +137,8 @@ class Choice:
         if self.completion.finish_reason is not None:
             self.finish_reason = self._finish_reason()
             chunk["choice_finish_reason"] = self.finish_reason
+            if self.completion.detokenizer.stop_string is not None:
+                chunk["stop_sequence"] = self.completion.detokenizer.stop_string
         return chunk if len(chunk) > 2 or parsed.content else None
 
     def _parse(self, text: str, finished: bool) -> tuple[str, Parsed]:

@@ -27,7 +27,7 @@ class Detokenizer:
         self._stream = DecodeStream(ids=list(prompt_token_ids[-PRIMING_TOKENS:]), skip_special_tokens=True)
         self._stops = MarkerScanner(tuple(stop)) if stop else None
         self._kept = kept_tokens or {}
-        self.stopped = False  # a stop string was found; the text released ends right before it
+        self.stop_string: str | None = None  # the stop string found; the text released ends right before it
 
     def add(self, token_id: int) -> str:
         """The text this token releases. After a stop string completes, `stopped` is set and the
@@ -37,9 +37,12 @@ class Detokenizer:
             piece += self._kept[token_id]
         if self._stops is None or not piece:
             return piece
-        released, stop, _ = self._stops.split(piece)
-        self.stopped = stop is not None
+        released, self.stop_string, _ = self._stops.split(piece)
         return released
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
     def flush(self) -> str:
         """The held-back text, at the end of generation: no stop string can complete any more."""

@@ -57,6 +57,9 @@ class GrammarConstraint:
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 

@@ -58,6 +58,15 @@ def logged_request(request_id: str, route: str):
         record.write(status)
 
 
+def speculation_summary(engine: dict) -> str:
+    """The draft tokens verified and accepted since start, where the engine speculates."""
+    drafted = engine.get("spec_drafted_tokens", 0)
+    if not drafted:
+        return ""
+    accepted = engine["spec_accepted_tokens"]
+    return f", draft tokens accepted {accepted}/{drafted} ({100 * accepted / drafted:.0f}%)"
+
+
 async def report_engine(stats: Callable[[], dict], generated_tokens: Callable[[], int],
                         interval: float = ENGINE_LOG_INTERVAL_S) -> None:
     """Every `interval` seconds in which the engine had work: requests running and waiting, KV cache blocks
@@ -71,7 +80,8 @@ async def report_engine(stats: Callable[[], dict], generated_tokens: Callable[[]
             total = engine["num_total_blocks"]
             used = total - engine["num_free_blocks"]
             engine_log.info("running %d, waiting %d, KV cache %d/%d blocks (%.0f%%), prefix-cache hit rate %.0f%%, "
-                            "preemptions %d, %.1f output tokens/s", engine["running"], engine["waiting"], used, total,
-                            100 * used / total if total else 0, 100 * engine["prefix_cache_hit_rate"],
-                            engine["num_preemptions"], (tokens - last_tokens) / (now - last_time))
+                            "preemptions %d, %.1f output tokens/s%s", engine["running"], engine["waiting"], used,
+                            total, 100 * used / total if total else 0, 100 * engine["prefix_cache_hit_rate"],
+                            engine["num_preemptions"], (tokens - last_tokens) / (now - last_time),
+                            speculation_summary(engine))
         last_tokens, last_time = tokens, now

@@ -5,9 +5,10 @@ the request's error reply (RequestError: 400 naming the field; EngineUnavailable
 engine Worker through a per-request queue of outputs. Each request ends with an access line (handler/logs.py).
 Encoding (chat templates, tokenizing) runs on a small pool of threads, each with its own copy of the tokenizer,
 so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
-the requests behind it. A request cancelled while its encoding waits for a thread is never encoded; one
-cancelled while encoding (a template render cannot be interrupted) is dropped once it ends, before the engine
-sees it.
+the requests behind it; a request's images are fetched on the event loop first, then decoded and preprocessed
+with its prompt on the encoding thread (handler/images.py). A request cancelled while its encoding waits for a
+thread is never encoded; one cancelled while encoding (a template render cannot be interrupted) is dropped once it
+ends, before the engine sees it.
 """
 
 import asyncio
@@ -24,6 +25,7 @@ from handler.chat import ChatModel, max_chars_per_token, parse_chat_request, sam
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
+from handler.images import ImageFetcher, VisionPrompt
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
@@ -54,10 +56,12 @@ class Service:
         # This one is only copied from, by each encoding thread as it starts.
         encoding_tokenizer = copy.deepcopy(tokenizer)
         grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
+        vision = VisionPrompt.load(worker.model_dir, settings.image_max_pixels) if worker.reads_images else None
+        self.images = ImageFetcher(settings) if vision is not None else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
                                     max_chars_per_token=max_chars_per_token(tokenizer),
-                                    trust_request_chat_template=settings.trust_request_chat_template)
+                                    trust_request_chat_template=settings.trust_request_chat_template, vision=vision)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
         self._encoder_state = threading.local()
         self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
@@ -89,7 +93,8 @@ class Service:
         with logged_request(request_id, "chat_completions") as log, self.engine_errors():
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
-            request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model))
+            sources = await self.images.gather(data) if self.images is not None else ()
+            request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model, sources))
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
             async for chunk in self.replies.stream(self.worker, request, request_id, log):

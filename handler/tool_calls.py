@@ -10,8 +10,10 @@ and two that the grammar forces whatever the model (handler/tools.py):
   json_array   `tool_choice: "required"`: `[{"name": ..., "arguments": {...}}, ...]`
   arguments    a named `tool_choice`: the arguments object of that function alone
 
-A call's deltas are OpenAI's: the first carries index, id, type and the name (arguments ""), later ones carry
-argument fragments that join into the arguments JSON exactly as the model wrote it. Text outside calls stays
+A call's deltas are OpenAI's: the first carries index, id, type, the name and the argument text read with it
+(possibly ""), later ones carry argument fragments that join into the arguments JSON exactly as the model wrote
+it. What one feed returns holds at most one delta per call index, as OpenAI streams them: clients that read only
+the first entry for an index lose nothing. Text outside calls stays
 content; whitespace between content and a call, or after a call, is dropped.
 """
 import json
@@ -395,7 +397,7 @@ class ToolCallParser:
             return
         self.calls[-1].arguments += fragment
         index, deltas = len(self.calls) - 1, self._out.tool_calls
-        if deltas and deltas[-1]["index"] == index and "id" not in deltas[-1]:  # the name's delta stays alone
+        if deltas and deltas[-1]["index"] == index:  # one delta per call in a feed's output
             deltas[-1]["function"]["arguments"] += fragment
         else:
             deltas.append({"index": index, "function": {"arguments": fragment}})

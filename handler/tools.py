@@ -11,7 +11,9 @@
   model is not prompted to call one; the reply is plain content.
 
 Assistant turns that carry `tool_calls` have their arguments (a JSON string in OpenAI's API) turned into
-objects for the template, as vLLM does; `role: "tool"` turns need their `tool_call_id`.
+objects for the template, as vLLM does; arguments that are not a JSON object (a call that an earlier reply's
+max_tokens cut short) reach the template as the string they were sent as, as OpenAI accepts them. `role: "tool"`
+turns need their `tool_call_id`.
 """
 import json
 import re
@@ -143,11 +145,19 @@ def tool_call_for_template(call, where: str) -> dict:
                            f'"arguments": ...}}}}')
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}", param="messages") from None
+        arguments = json_object_or_text(arguments)
     elif arguments is not None and not isinstance(arguments, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON string, got {type_name(arguments)}",
                            param="messages")
     return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments or {}}}
+
+
+def json_object_or_text(arguments: str) -> dict | str:
+    """Arguments as the object their JSON holds ({} for blank ones), else the text as sent."""
+    if not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

@@ -1,5 +1,8 @@
-"""The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA flash-attn
-for attention when it is installed (and the block size suits it), else our Triton kernels.
+"""The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA our Triton kernels,
+with flash-attn, when it is installed, for attention over the caches it can read (blocks of a multiple of 256
+tokens, not FP8, no sinks). Installing flash-attn changes nothing for the other caches (the default blocks of 16
+among them): their decode steps keep the fused prologue. When flash-attn is found, the log says which caches it
+takes.
 
 A KV cache holds the model's dtype or FP8 (torch.float8_e4m3fn, e4m3): an FP8 cache comes with one float32 scale
 per KV head for its keys (k_scale [n_kv]) and one for its values (v_scale): the prologue stores x / scale,
@@ -11,6 +14,7 @@ CUDA tensor first arrives, so the CPU path never imports them. Calls read `tenso
 """
 
 import functools
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mxfp4 import Mxfp4Weight
 from kernels.reference import GREEDY_TEMPERATURE, dequantize_fp8
 
 BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/reference.py on the CPU)
@@ -37,10 +42,12 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "fused_moe",
 )
 __all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "check_kv_scales",
-           "qkv_paged_attention", "dequantize_fp8"]
+           "qkv_paged_attention", "dequantize_fp8", "Mxfp4Weight"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 FP8_KV_CACHE_DTYPE = torch.float8_e4m3fn
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -89,16 +96,28 @@ def _backend_of(tensor: Tensor) -> SimpleNamespace:
     return _backend("cuda" if tensor.is_cuda else "cpu")
 
 
+def _flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
+    """Whether flash-attn 2 can attend over this cache: blocks of a multiple of its 256 tokens, not FP8 (it has no
+    scaled e4m3 cache), no sinks (it has none)."""
+    return not (k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None
+                or k_cache.dtype == FP8_KV_CACHE_DTYPE)
+
+
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
-    """flash-attn for attention without sinks (it has none) on caches whose blocks and dtype it can read (not
-    FP8: flash-attn 2 has no scaled e4m3 cache); our Triton kernels otherwise. A window maps to window_size=
-    (window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads keys in tiles that divide
-    its 256-token blocks, so it never reads a block wholly before a query's window (a freed one)."""
+    """flash-attn for attention over the caches it reads (_flash_attn_reads), our Triton kernels otherwise, the fused
+    decode prologue included: flash-attn has no prologue, so only its decode steps launch the prologue apart. A
+    window maps to window_size=(window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads
+    keys in tiles that divide its 256-token blocks, so it never reads a block wholly before a query's window (a
+    freed one)."""
     triton_paged_attention, triton_varlen_attention = backend.paged_attention, backend.varlen_attention
+    triton_decodes_apart = backend.decodes_apart
+    logger.info("flash-attn %s found: it attends over KV caches of blocks of a multiple of %d tokens (not FP8, "
+                "without sinks); the Triton kernels over the others, decode with its fused prologue",
+                getattr(flash_attn, "__version__", "(version unknown)"), FLASH_ATTN_BLOCK_MULTIPLE)
 
     def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                         window: int, sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
-        if k_cache.shape[1] % FLASH_ATTN_BLOCK_MULTIPLE or sinks is not None or k_cache.dtype == FP8_KV_CACHE_DTYPE:
+        if not _flash_attn_reads(k_cache, sinks):
             return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
@@ -120,8 +139,11 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
             window_size=_flash_window(window),
         )
 
+    def decodes_apart(qkv, num_heads, k_cache, meta, window=0, sinks=None) -> bool:
+        return _flash_attn_reads(k_cache, sinks) or triton_decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)
+
     return SimpleNamespace(**{**vars(backend), "paged_attention": paged_attention,
-                              "varlen_attention": varlen_attention, "fused_decode": None})
+                              "varlen_attention": varlen_attention, "decodes_apart": decodes_apart})
 
 
 def _flash_window(window: int) -> tuple[int, int]:
@@ -153,7 +175,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
     _check_window_and_sinks(window, sinks, q.shape[1], causal=True)
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+    return _paged_attention_of(_backend_of(q), meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale,
+                                                     v_scale)
 
 
 def varlen_attention(
@@ -249,10 +272,10 @@ def qkv_paged_attention(
     k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> Tensor:
     """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
-    paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA without
-    flash-attn runs both in the decode attention kernel (one launch less per layer; Triton's
-    qkv_decode_attention), unless the Gluon kernel takes its attention (large batches over an FP8 cache:
-    kernels/gluon_decode.py)."""
+    paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA runs both in the
+    decode attention kernel (one launch less per layer; Triton's qkv_decode_attention), unless the Gluon kernel
+    (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (_flash_attn_reads) takes its
+    attention."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
     if (meta.is_decode and backend.fused_decode is not None
@@ -263,7 +286,17 @@ def qkv_paged_attention(
                                     v_scale=v_scale)
     q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
                            eps, k_cache, v_cache, meta.slot_mapping, False, k_scale, v_scale)
-    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+    return _paged_attention_of(backend, meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
+
+
+def _paged_attention_of(backend: SimpleNamespace, meta: AttentionMetadata):
+    """The backend's paged attention, or the torch one (on any device) for a step with image spans, which no
+    kernel of ours masks: such steps are prefills of prompts with images, rare beside the rest."""
+    if meta.image_spans is None:
+        return backend.paged_attention
+    from kernels import reference
+
+    return reference.paged_attention
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
@@ -286,14 +319,15 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tupl
     return _backend_of(router_logits).select_experts(router_logits, top_k, renormalize)
 
 
-def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
-              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor | Mxfp4Weight,
+              w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
     """The routed experts' MLPs: out[t] = sum_j topk_weights[t, j] * expert_e(hidden[t]), e = topk_ids[t, j],
     with expert_e(x) = w_down[e] act(w_gate_up[e] x + b_gate_up[e]) + b_down[e]. w_gate_up [E, 2I, H] holds
     the gate rows then the up rows, w_down [E, H, I]; biases optional. activation: "silu" (silu(gate) * up) or
     "clamped_swiglu" (gpt-oss: gate clamped above at swiglu_limit, up within +-swiglu_limit, then
     (up + 1) * gate * sigmoid(swiglu_alpha * gate)). On CUDA the tokens are sorted by expert on the device
-    and each projection is one grouped GEMM launch over all experts (kernels/triton_moe.py)."""
+    and each projection is one grouped GEMM launch over all experts (kernels/triton_moe.py). Either weight
+    may be MXFP4 (kernels/mxfp4.py): the Triton kernels dequantize its tiles in registers."""
     return _backend_of(hidden).fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
                                          activation, swiglu_alpha, swiglu_limit)

@@ -10,7 +10,9 @@ class AttentionMetadata:
     """Per-step attention metadata.
 
     Query token i (0-based) of sequence b sits at absolute position seq_lens[b] - q_len_b + i and
-    attends to key positions 0..that position: causal over the cached prefix plus its own chunk.
+    attends to key positions 0..that position: causal over the cached prefix plus its own chunk. With
+    image_spans, a query also sees the keys of its span [start, end) (an image's tokens see each other both
+    ways), within its layer's window; a step that has them runs the torch attention on any device.
     """
 
     slot_mapping: Tensor  # int64 [T]: cache slot for each token of this step (-1: don't store)
@@ -21,3 +23,4 @@ class AttentionMetadata:
     max_seqlen_k: int
     is_decode: bool  # every sequence has exactly one query token
     seq_order: Tensor | None = None  # int32 [B], decode: the rows, longest context first (the order they start in)
+    image_spans: Tensor | None = None  # int64 [T, 2]: key positions [start, end) each query sees beyond causal

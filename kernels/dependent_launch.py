@@ -9,22 +9,17 @@ and its writes are visible, and since that kernel had waited in turn, once all e
 `release_next` lets the next kernel launch. Kernels launched without the option (cuBLAS, torch) start only
 after the previous kernel ends, as always.
 """
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.cache
-def _supported(device_index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
+from kernels import gpu_features
 
 
 def launch_options(tensor: torch.Tensor) -> dict:
-    """Keyword arguments for a Triton launch on tensor's device: USE_PDL for the kernel, and launch_pdl."""
-    if tensor.is_cuda and _supported(tensor.get_device()):
+    """Keyword arguments for a Triton launch on tensor's device: USE_PDL for the kernel, and launch_pdl, where
+    the device has dependent launch and HFENDPOINT_GPU_FEATURES leaves it on (kernels/gpu_features.py)."""
+    if gpu_features.has("dependent_launch", tensor):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

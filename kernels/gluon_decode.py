@@ -19,14 +19,12 @@ The interpreter does not run Gluon: CI compiles this kernel for sm_90 and reads 
 --gluon, tests/bench/test_sass_report.py); on a GPU, tests/kernels/test_gluon_decode.py compares it with the
 reference. bench/gluon_decode_speed.py times it.
 """
-import functools
-import os
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels import gpu_features
 from kernels.dependent_launch import launch_options
 from kernels.split_arrivals import num_sms
 
@@ -45,18 +43,14 @@ FP8 = torch.float8_e4m3fn
 def supports(query_dtype: torch.dtype, num_q_heads: int, head_dim: int, k_cache: torch.Tensor, window: int,
              sinks) -> bool:
     """Whether this kernel can take a decode launch: compiled (not interpreted) for a GPU with e4m3 conversions and
-    movmatrix, an FP8 cache of head_dim 128 in blocks of a multiple of 16 keys, 16-bit queries, at most 8 query
-    heads per KV head, no window or sinks."""
+    movmatrix where HFENDPOINT_GPU_FEATURES leaves Gluon on (kernels/gpu_features.py), an FP8 cache of head_dim
+    128 in blocks of a multiple of 16 keys, 16-bit queries, at most 8 query heads per KV head, no window or
+    sinks."""
     num_kv_heads = k_cache.shape[2]
-    return (k_cache.is_cuda and k_cache.dtype == FP8 and query_dtype in (torch.bfloat16, torch.float16)
+    return (k_cache.dtype == FP8 and query_dtype in (torch.bfloat16, torch.float16)
             and head_dim == HEAD_DIM.value and k_cache.shape[1] % PAGE.value == 0
             and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP
-            and window == 0 and sinks is None and _compiled_for(k_cache.get_device()))
-
-
-@functools.cache
-def _compiled_for(device_index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index) >= (8, 9)
+            and window == 0 and sinks is None and gpu_features.has("gluon", k_cache))
 
 
 def decode_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, warps=None, max_registers=0):

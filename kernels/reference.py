@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4
 
 # A temperature below this draws greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by it would overflow
 # them to infinities (1e-40 is a float32 subnormal), and a softmax of infinities is NaN, not the argmax.
@@ -43,11 +44,15 @@ def _dequantized(cached: Tensor, scale: Tensor | None) -> Tensor:
     return cached.float() * scale[:, None] if cached.dtype == FP8 else cached
 
 
-def _visible(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+def _visible(q_pos: Tensor, k_pos: Tensor, window: int, spans: Tensor | None = None) -> Tensor:
     """[..., Lq, Lk] bool from query positions [..., Lq] and key positions [..., Lk]: a query at q sees the key at
-    p when p <= q and, with a window, q - window < p (the last `window` positions, its own included)."""
+    p when p <= q and, with a window, q - window < p (the last `window` positions, its own included). spans
+    [..., Lq, 2]: each query also sees the keys start <= p < end of its span, within the window (transformers'
+    Gemma 3 image tokens: (causal or same image) and window)."""
     q_pos, k_pos = q_pos[..., :, None], k_pos[..., None, :]
     visible = k_pos <= q_pos
+    if spans is not None:
+        visible = visible | ((k_pos >= spans[..., :1]) & (k_pos < spans[..., 1:]))
     return visible & (k_pos > q_pos - window) if window else visible
 
 
@@ -105,7 +110,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
                     v_scale: Tensor | None = None) -> Tensor:
     """Causal attention of the step's queries [T, n_q, D] over each sequence's cached keys and values; with a
     window, a query at position q sees keys q - window < p <= q only (blocks before them are never read). An
-    FP8 cache's keys and values are read times k_scale and v_scale.
+    FP8 cache's keys and values are read times k_scale and v_scale. meta.image_spans widens what prefill queries
+    see (a one-token chunk's span ends at its own position, so causal covers it).
 
     Decode tokens (one query per sequence) are batched together, padding keys to the longest context;
     prefill chunks run one sequence at a time so no [T, T] score matrix spans unrelated sequences.
@@ -137,7 +143,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             k, k_pos = _gather_blocks(k_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
             v, _ = _gather_blocks(v_cache, table, first, meta.seq_lens[b : b + 1], num_blocks)
             k, v = _dequantized(k, k_scale), _dequantized(v, v_scale)
-            mask = _visible(q_pos, k_pos[0], window)[None]
+            spans = None if meta.image_spans is None else meta.image_spans[start : start + n]
+            mask = _visible(q_pos, k_pos[0], window, spans)[None]
             out[start : start + n] = _attend(q[None, start : start + n], k, v, scale, mask, sinks)[0]
     return out
 
@@ -216,19 +223,29 @@ def expert_activation(gate_up: Tensor, activation: str, swiglu_alpha: float, swi
     return (up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)
 
 
-def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              b_gate_up: Tensor | None = None, b_down: Tensor | None = None, activation: str = "silu",
-              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
+def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor | Mxfp4Weight,
+              w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Tensor:
     """The routed experts as a plain loop over experts: each token's k expert outputs weighted and summed in
-    float32. w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H]."""
+    float32. w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H]; an
+    MXFP4 weight is dequantized to hidden's dtype one routed expert at a time."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(w_gate_up.shape[0]):
         tokens, slots = torch.where(topk_ids == expert)
-        gate_up = F.linear(hidden[tokens], w_gate_up[expert], None if b_gate_up is None else b_gate_up[expert])
+        if not len(tokens):
+            continue
+        gate_up = F.linear(hidden[tokens], _expert_weight(w_gate_up, expert, hidden.dtype),
+                           None if b_gate_up is None else b_gate_up[expert])
         y = expert_activation(gate_up, activation, swiglu_alpha, swiglu_limit)
-        y = F.linear(y, w_down[expert], None if b_down is None else b_down[expert])
+        y = F.linear(y, _expert_weight(w_down, expert, hidden.dtype), None if b_down is None else b_down[expert])
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+def _expert_weight(weight: Tensor | Mxfp4Weight, expert: int, dtype: torch.dtype) -> Tensor:
+    if isinstance(weight, Mxfp4Weight):
+        return dequantize_mxfp4(weight.blocks[expert], weight.scales[expert], dtype)
+    return weight[expert]
 
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:

@@ -60,9 +60,9 @@ FP8 = torch.float8_e4m3fn
 @dataclass(frozen=True)
 class DecodeTiles:
     """How decode programs walk their keys: block_n keys per tile, num_warps and num_stages of the launch,
-    min_split_keys, the fewest keys that choose_num_splits gives a split (bench/fp8_attention_sweep.py tries
-    others), and max_registers per thread (0: the compiler's choice), which sets how many programs share an SM;
-    split_max_registers replaces it in a launch whose contexts are split (0: the same)."""
+    min_split_keys, the fewest keys that choose_num_splits gives a split, and max_registers per thread (0: the
+    compiler's choice), which sets how many programs share an SM; split_max_registers replaces it in a launch whose
+    contexts are split (0: the same)."""
     block_n: int
     num_warps: int
     num_stages: int

@@ -12,12 +12,11 @@ the exponent, and ties are not broken to even), while its conversions from e4m3 
 tokens are encoded, so the few integer operations per element cost nothing next to the attention that reads
 the cache.
 """
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels import gpu_features
 
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6: below it e4m3 has subnormals, multiples of 2^-9
@@ -65,14 +64,8 @@ def dot_operand(x, FP8: tl.constexpr):
 
 def ptx_conversion(tensor: torch.Tensor) -> bool:
     """Whether kernels on tensor's device convert e4m3 values by inline PTX (value_operand): compiled, not
-    interpreted, for a GPU with e4m3 conversions (compute capability 8.9 or later). Read per launch as
-    launch_options is: `is_cuda` and a device index, no device object."""
-    return tensor.is_cuda and _has_e4m3_ptx(tensor.get_device())
-
-
-@functools.cache
-def _has_e4m3_ptx(device_index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index) >= (8, 9)
+    interpreted, for a GPU with e4m3 conversions (kernels/gpu_features.py)."""
+    return gpu_features.has("e4m3", tensor)
 
 
 @triton.jit

@@ -19,12 +19,13 @@ import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import num_sms
-from kernels.triton_linear import split_k_outputs, store_split_tile
+from kernels.triton_linear import memory_sizes, split_k_outputs, store_split_tile
 
 FP8_MAX = 448.0
 GROUP_K = 128  # columns of x per activation scale, and the K tile
 _FP8_MAX, _GROUP_K = tl.constexpr(FP8_MAX), tl.constexpr(GROUP_K)  # the same, as jit functions may read them
 MAX_DECODE_ROWS = 128
+PREFILL_STAGE_BYTES = 128 * GROUP_K * 3  # a 128 x 128 tile's stage: 16-bit x rows and e4m3 weight rows
 MAX_SPLIT_K = 4
 
 
@@ -79,12 +80,12 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_om, BL
     tl.store(scale_ptr + row, scale)
 
 
-def choose_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int = 1 << 30) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product: at decode sizes
     small tiles with K split while the programs fit in one wave (as kernels/triton_linear.py), else 128 x 128
-    tiles."""
+    tiles, in as many stages (up to 3) as a program's shared_memory bytes hold: an L4's or L40S's hold 2."""
     if m > MAX_DECODE_ROWS:
-        return 128, 128, 1, 8, 3
+        return 128, 128, 1, 8, 3 if shared_memory >= 3 * PREFILL_STAGE_BYTES else 2
     block_m, block_n = (16 if m <= 16 else 64), 32
     tiles, k_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, GROUP_K)
     split_k = 1
@@ -104,7 +105,8 @@ def triton_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if cols % GROUP_K and cols < k:
         raise ValueError(f"triton_fp8_linear: weight scale blocks of {cols} columns do not hold whole {GROUP_K}-"
                          "column tiles")
-    block_m, block_n, split_k, num_warps, num_stages = config or choose_config(m, n, k, num_sms(x.device))
+    block_m, block_n, split_k, num_warps, num_stages = config or choose_config(m, n, k, num_sms(x.device),
+                                                                               memory_sizes(x.device)[0])
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     out, part, arrivals = split_k_outputs(x, n, tiles, split_k)
     if m == 0:

@@ -10,7 +10,8 @@ rows.
 
 Up to POINTER_ROWS rows the operands are loaded through pointers. Above that, row tiles of 64 take their
 operands through tensor descriptors (TMA copies into shared memory on Hopper), with tiles chosen so that every
-program of a launch is resident at once; the pointer loads' tiles lost to cuBLAS there (bench/RESULTS.md).
+program of a launch is resident at once; the pointer loads' tiles lost to cuBLAS there (bench/RESULTS.md), so
+without descriptors (before Hopper, or turned off: kernels/gpu_features.py) those rows go to cuBLAS.
 Prefill stays on cuBLAS; so do rows of more than one tile over a weight larger than L2 (an LM head), which
 each row tile would read from memory again.
 
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import gpu_features
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 from kernels.triton_activation import act_and_mul, gated_activation
@@ -215,10 +217,11 @@ def descriptors_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes: int,
-                  element_size: int = 2) -> tuple | None:
+                  element_size: int = 2, descriptors: bool = True) -> tuple | None:
     """The kernel's config for an [m, k] x [n, k]^T product, or None for cuBLAS (no rows, m > MAX_ROWS, K not a
-    multiple of TILE_K, or rows of several tiles over a weight larger than the l2_bytes of L2, which each row
-    tile would read from memory again). Up to POINTER_ROWS rows: tiles of 16 rows up to 16 rows, else 64; 16
+    multiple of TILE_K, rows of several tiles over a weight larger than the l2_bytes of L2, which each row
+    tile would read from memory again, or more than POINTER_ROWS rows without descriptors). Up to POINTER_ROWS
+    rows: tiles of 16 rows up to 16 rows, else 64; 16
     columns for outputs of up to NARROW_N (with 2 warps on 16-row tiles, and NARROW_STAGES where a program's
     shared_memory bytes hold their tiles of element_size), else 32; K split in two or four while the programs
     still fit in one wave. Above, _descriptor_config. Chosen by timing the Qwen3-0.6B projections back to back
@@ -229,7 +232,7 @@ def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes
     if m > block_m and n * k * element_size > l2_bytes:
         return None
     if m > POINTER_ROWS:
-        return _descriptor_config(m, n, k, sms, shared_memory, element_size)
+        return _descriptor_config(m, n, k, sms, shared_memory, element_size) if descriptors else None
     block_n = 16 if n <= NARROW_N else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = _split_k(tiles, k, sms)
@@ -296,9 +299,10 @@ def _check_activation(activation: str) -> None:
 
 
 def _decode_config(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
-    """choose_config's pick for a 2-D x with contiguous rows on this device, where its operands suit it."""
+    """choose_config's pick for a 2-D x with contiguous rows on this device, where its operands suit it, with
+    descriptors where the device has them (kernels/gpu_features.py)."""
     if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
         return None
     config = choose_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device), *memory_sizes(x.device),
-                           x.element_size())
+                           x.element_size(), gpu_features.has("descriptors", x))
     return None if config is None or (config[6] and not descriptors_fit(x, weight)) else config

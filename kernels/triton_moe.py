@@ -13,7 +13,11 @@
    its top-k weight and stores the row at its token-slot position. A sum over the k slots of each token ends it.
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
-gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H].
+gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H]. Either may be MXFP4
+(kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales
+and multiply them in registers, with tl.dot_scaled for bf16 and fp16 activations (on Hopper, which has no FP4
+MMA, Triton upcasts the codes for a bf16 MMA: what MXFP4 saves there is bytes read) and, for float32 ones, one
+pair of dots per 32-column scale group.
 """
 import math
 from dataclasses import dataclass
@@ -23,8 +27,11 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
+from kernels.mxfp4 import GROUP_SIZE, Mxfp4Weight
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
+# Activations tl.dot_scaled multiplies with MXFP4 weights; float32 ones take the MXFP4 GEMMs' per-group path.
+SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -181,11 +188,59 @@ def _block_rows(sorted_ptr, block, num_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, stride_x, INTER, K,
-                    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA, LIMIT,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots."""
+def _e2m1_values(codes, DTYPE: tl.constexpr):
+    """4-bit E2M1 codes (int32: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) as DTYPE values, exact: float32
+    bits built from the code (no conversion from an integer), then narrowed."""
+    magnitude = codes & 7
+    exponent = tl.where(magnitude < 2, 126, (magnitude >> 1) + 126)  # 0.5 = 2^-1; 1, 1.5 = 2^0 (1 + m/2); ...
+    mantissa = tl.where(magnitude < 2, 0, (magnitude & 1) << 22)
+    bits = tl.where(magnitude == 0, 0, (exponent << 23) | mantissa) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, K, DOT_PRECISION: tl.constexpr):
+    """The float32 activations' MXFP4 product (tl.dot_scaled takes bf16 and fp16 ones only): x [BLOCK_M, 32] (row
+    pointers x_rows [BLOCK_M, 1], columns k .. k + 31) times weight rows `rows` [BLOCK_N] (int64) of an MXFP4
+    weight with K columns, over that one scale group: [BLOCK_M, BLOCK_N] float32. The low
+    nibbles hold the group's even columns and the high ones its odd columns, so the group is two dots over 16
+    columns each, x read the same way, and its scales multiply the sum: no shuffle of the codes."""
+    pairs = tl.arange(0, 16)
+    in_k = (k + 2 * pairs < K)[None, :]  # the group lies wholly inside K or wholly past it
+    packed = tl.load(blocks_ptr + rows[:, None] * (K // 2) + (k // 2 + pairs)[None, :],
+                     mask=row_mask[:, None] & in_k, other=0).to(tl.int32)
+    # a group past K reads the last group's scales (in bounds) and multiplies a zero sum by them
+    exponents = tl.load(scales_ptr + rows * (K // 32) + tl.minimum(k, K - 32) // 32, mask=row_mask, other=0)
+    x_even = tl.load(x_rows + k + 2 * pairs[None, :], mask=x_mask & in_k, other=0.0)
+    x_odd = tl.load(x_rows + k + 1 + 2 * pairs[None, :], mask=x_mask & in_k, other=0.0)
+    dtype = x_even.dtype
+    sums = tl.dot(x_even, tl.trans(_e2m1_values(packed & 0xF, dtype)), input_precision=DOT_PRECISION)
+    sums = tl.dot(x_odd, tl.trans(_e2m1_values(packed >> 4, dtype)), sums, input_precision=DOT_PRECISION)
+    return sums * tl.exp2(exponents.to(tl.float32) - 127.0)[None, :]
+
+
+@triton.jit
+def _mxfp4_scaled_dot(acc, x, blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_K: tl.constexpr,
+                      X_FORMAT: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] (columns k0 ..) times weight rows `rows` [BLOCK_N] (int64) of an MXFP4 weight
+    with K columns, by tl.dot_scaled (X_FORMAT: x's, "bf16" or "fp16")."""
+    byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(blocks_ptr + rows[:, None] * (K // 2) + byte_cols[None, :],
+                     mask=row_mask[:, None] & (byte_cols < K // 2)[None, :], other=0)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    exponents = tl.load(scales_ptr + rows[:, None] * (K // 32) + groups[None, :],
+                        mask=row_mask[:, None] & (groups < K // 32)[None, :], other=0)
+    return tl.dot_scaled(x, None, X_FORMAT, tl.trans(packed), exponents, "e2m1", acc=acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, stride_x,
+                    INTER, K, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA,
+                    LIMIT, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots. MXFP4: w_ptr
+    holds the packed blocks and scales_ptr their scales (kernels/mxfp4.py)."""
     block, cols, col_mask = _column_tile(INTER, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
@@ -197,8 +252,22 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_pt
         up_ptrs = gate_ptrs + INTER * K
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        gate_rows = expert.to(tl.int64) * 2 * INTER + cols
+        x_rows = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if MXFP4 and X_FORMAT != "":
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
+                gate = _mxfp4_scaled_dot(gate, x, w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_K, X_FORMAT)
+                up = _mxfp4_scaled_dot(up, x, w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_K,
+                                       X_FORMAT)
+            elif MXFP4:
+                for group in tl.static_range(BLOCK_K // 32):
+                    k = k0 + group * 32
+                    gate += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr, gate_rows, col_mask, k,
+                                             K, DOT_PRECISION)
+                    up += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr, gate_rows + INTER,
+                                           col_mask, k, K, DOT_PRECISION)
+            elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=col_mask[:, None], other=0.0)
                 w_up = tl.load(up_ptrs, mask=col_mask[:, None], other=0.0)
@@ -207,8 +276,9 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_pt
                 x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
                 w_up = tl.load(up_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
-            gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, tl.trans(w_up), up, input_precision=DOT_PRECISION)
+            if not MXFP4:
+                gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=DOT_PRECISION)
+                up = tl.dot(x, tl.trans(w_up), up, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
@@ -228,10 +298,12 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _down_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows, N, K,
-                 NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations)."""
+def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows,
+                 N, K, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations);
+    MXFP4 as in _gate_up_kernel."""
     block, cols, col_mask = _column_tile(N, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
@@ -241,15 +313,26 @@ def _down_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block
         x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
         w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if MXFP4 and X_FORMAT != "":
+                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
+                acc = _mxfp4_scaled_dot(acc, x, w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K,
+                                        BLOCK_K, X_FORMAT)
+            elif MXFP4:
+                for group in tl.static_range(BLOCK_K // 32):
+                    acc += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr,
+                                            expert.to(tl.int64) * N + cols, col_mask, k0 + group * 32, K,
+                                            DOT_PRECISION)
+            elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
             else:
                 k_mask = (k0 + ks < K)[None, :]
                 x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if not MXFP4:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         release_next(USE_PDL)
@@ -260,18 +343,26 @@ def _down_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _gemm_options(tiles: GemmTiles, k: int, dtype: torch.dtype) -> dict:
-    return dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
+def _gemm_options(tiles: GemmTiles, k: int, dtype: torch.dtype, weight: torch.Tensor | Mxfp4Weight) -> dict:
+    """The GEMM's launch options, and its weight's arguments: (w_ptr, scales_ptr) and MXFP4."""
+    mxfp4 = isinstance(weight, Mxfp4Weight)
+    if mxfp4 and tiles.block_k % GROUP_SIZE:
+        raise ValueError(f"fused_moe: BLOCK_K {tiles.block_k} must be a multiple of the MXFP4 group size "
+                         f"{GROUP_SIZE}")
+    return dict(w_ptr=weight.blocks if mxfp4 else weight, scales_ptr=weight.scales if mxfp4 else weight, MXFP4=mxfp4,
+                X_FORMAT=SCALED_DOT_FORMATS.get(dtype, ""),
+                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
 
 
-def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
-              w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-              tiles: MoeTiles | None = None) -> torch.Tensor:
+def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              w_gate_up: torch.Tensor | Mxfp4Weight, w_down: torch.Tensor | Mxfp4Weight,
+              b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, activation: str = "silu",
+              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, tiles: MoeTiles | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for each token t: [T, H] in hidden's dtype.
-    tiles: the kernels' tiles (choose_tiles(T) by default)."""
+    Either weight may be MXFP4 (read packed, dequantized in registers). tiles: the kernels' tiles
+    (choose_tiles(T) by default)."""
     check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -291,24 +382,25 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def expert_activations(hidden: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
-                       w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None, top_k: int, activation: str,
-                       swiglu_alpha: float, swiglu_limit: float, block_m: int, tiles: GemmTiles) -> torch.Tensor:
+                       w_gate_up: torch.Tensor | Mxfp4Weight, b_gate_up: torch.Tensor | None, top_k: int,
+                       activation: str, swiglu_alpha: float, swiglu_limit: float, block_m: int,
+                       tiles: GemmTiles) -> torch.Tensor:
     """The gate/up GEMM with the activation: [num_blocks * block_m, I], row s for sorted slot s (padding
     slots unwritten)."""
     (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w_gate_up.shape
     inter, num_blocks = two_inter // 2, block_experts.numel()
     activations = torch.empty((num_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.block_n),)](
-        hidden, w_gate_up, b_gate_up if b_gate_up is not None else w_gate_up, activations, sorted_rows, block_experts,
-        num_tokens * top_k, hidden.stride(0), inter, hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts,
-        CLAMPED_SWIGLU=activation == "clamped_swiglu", ALPHA=swiglu_alpha, LIMIT=swiglu_limit,
-        HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m, **_gemm_options(tiles, hidden_size, hidden.dtype),
-        **launch_options(hidden))
+        x_ptr=hidden, bias_ptr=b_gate_up if b_gate_up is not None else hidden, out_ptr=activations,
+        sorted_ptr=sorted_rows, block_expert_ptr=block_experts, num_rows=num_tokens * top_k, stride_x=hidden.stride(0),
+        INTER=inter, K=hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts, CLAMPED_SWIGLU=activation == "clamped_swiglu",
+        ALPHA=swiglu_alpha, LIMIT=swiglu_limit, HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m,
+        **_gemm_options(tiles, hidden_size, hidden.dtype, w_gate_up), **launch_options(hidden))
     return activations
 
 
 def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
-                            w_down: torch.Tensor, b_down: torch.Tensor | None, topk_weights: torch.Tensor,
+                            w_down: torch.Tensor | Mxfp4Weight, b_down: torch.Tensor | None, topk_weights: torch.Tensor,
                             block_m: int, tiles: GemmTiles) -> torch.Tensor:
     """The down GEMM with bias and top-k weight: [T * k, H], row r for token r // k's slot r % k."""
     (num_experts, hidden_size, inter), num_rows = w_down.shape, topk_weights.numel()
@@ -317,9 +409,10 @@ def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor
         weights = weights.float()
     per_slot = torch.empty((num_rows, hidden_size), dtype=activations.dtype, device=activations.device)
     _down_kernel[(block_experts.numel() * triton.cdiv(hidden_size, tiles.block_n),)](
-        activations, w_down, b_down if b_down is not None else w_down, weights, per_slot, sorted_rows, block_experts,
-        num_rows, hidden_size, inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=block_m,
-        **_gemm_options(tiles, inter, activations.dtype), **launch_options(activations))
+        x_ptr=activations, bias_ptr=b_down if b_down is not None else activations, weights_ptr=weights,
+        out_ptr=per_slot, sorted_ptr=sorted_rows, block_expert_ptr=block_experts, num_rows=num_rows, N=hidden_size,
+        K=inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=block_m,
+        **_gemm_options(tiles, inter, activations.dtype, w_down), **launch_options(activations))
     return per_slot
 
 
@@ -327,7 +420,7 @@ def check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gat
     """ValueError naming the argument whose shape or kind does not fit the others."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    if hidden.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+    if hidden.dim() != 2 or len(w_gate_up.shape) != 3 or len(w_down.shape) != 3:
         raise ValueError("fused_moe: hidden must be [T, H], w_gate_up [E, 2I, H] and w_down [E, H, I]")
     num_experts, two_inter, hidden_size = w_gate_up.shape
     expected = {

@@ -13,10 +13,11 @@ of its rows), so fused projections (q|k|v, gate|up, from parts with scales of th
 tensor-parallel ranks and the head layout of models/rotary.py move rows with their scales. Tensor
 parallelism must keep K groups whole: a rank's input features must be a multiple of the block's columns.
 
-After loading (finish_fp8): on Hopper (compute capability 9.x) the weights stay FP8 and the projections run
-as FP8 GEMMs, `method` choosing ours in Triton (block scales, activations quantized per token and per 128
-columns inside the kernel) or torch._scaled_mm (one scale per row and per token; block-scaled weights are
-requantized per row for it). Anywhere else they are dequantized into the model's dtype.
+After loading (finish_fp8): on a GPU with e4m3 conversions (kernels/gpu_features.py) the weights stay FP8 and
+the projections run as FP8 GEMMs, `method` choosing ours in Triton (block scales, activations quantized per
+token and per 128 columns inside the kernel) or, where the GPU has it, torch._scaled_mm (one scale per row and
+per token; block-scaled weights are requantized per row for it). Anywhere else, and wherever
+HFENDPOINT_GPU_FEATURES turns e4m3 off, they are dequantized into the model's dtype.
 """
 
 import re
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import dequantize_fp8
+from kernels import dequantize_fp8, gpu_features
 
 E4M3 = torch.float8_e4m3fn
 FP8_GEMMS = ("scaled_mm", "triton")  # the first is the default: bench/RESULTS.md says why
@@ -71,7 +72,10 @@ def fp8_format(hf_config, method: str = "scaled_mm") -> Fp8Format | None:
         return _finegrained_format(quant, method)
     if kind == "compressed-tensors":
         return _compressed_tensors_format(quant, method)
-    if kind == "mxfp4":  # gpt-oss: only its experts, dequantized at load by models/moe.py
+    if kind == "mxfp4":  # gpt-oss: only its experts, kept in MXFP4 by models/moe.py
+        if getattr(hf_config, "model_type", None) != "gpt_oss":
+            raise ValueError(f"quantization_config.quant_method 'mxfp4' is supported for gpt-oss's experts only (the "
+                             f"format transformers defines), not for model type {hf_config.model_type!r}")
         return None
     raise ValueError(f"quantization_config.quant_method {kind!r} is not supported (supported: 'fp8' and "
                      "'compressed-tensors' with FP8 weights)")
@@ -129,9 +133,16 @@ def is_fp8(loaded) -> bool:
 
 # ---- after loading ----------------------------------------------------------------------------------
 
-def runs_fp8_gemms(device: torch.device) -> bool:
-    """FP8 GEMMs run on Hopper (compute capability 9.x); other devices get dequantized weights."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+def fp8_gemm_for(layer, device: torch.device) -> str | None:
+    """The FP8 GEMM a layer's projection runs on device: its format's method where the device has it
+    (torch._scaled_mm also needs what _scaled_mm_takes says), else "triton"; None where the device has no e4m3
+    conversions (the weight is dequantized). The one place kernels/gpu_features.py decides FP8 weights."""
+    if not gpu_features.device_supports("e4m3", device):
+        return None
+    if layer.quant.method == "scaled_mm" and _scaled_mm_takes(layer) and gpu_features.device_supports("scaled_mm",
+                                                                                                       device):
+        return "scaled_mm"
+    return "triton"
 
 
 def finish_fp8(layer) -> None:
@@ -141,9 +152,9 @@ def finish_fp8(layer) -> None:
     checkpoint whose scale blocks split the kernel's 128-column tiles is dequantized."""
     weight, scale, fmt = layer.weight.data, layer.weight_scale.data, layer.quant
     block_cols = fmt.block[1] if fmt.block else weight.shape[1]
-    method = fmt.method if _scaled_mm_takes(layer) else "triton"
+    method = fp8_gemm_for(layer, weight.device)
     triton_fits = block_cols % TRITON_GROUP_K == 0 or block_cols >= weight.shape[1]
-    if not runs_fp8_gemms(weight.device) or (method == "triton" and not triton_fits):
+    if method is None or (method == "triton" and not triton_fits):
         layer.dequantize_weight()
         return
     layer.fp8_method = method

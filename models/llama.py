@@ -237,10 +237,14 @@ class LlamaModel(nn.Module):
                                     for i, (kind, window) in enumerate(zip(types, layer_windows(config))))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_offset(config))
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         x, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if image_embeds is not None:  # (rows, their embeddings): an image's soft tokens, not scaled
+            rows, embeds = image_embeds
+            x = x.index_put((rows,), embeds.to(x.dtype))
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
@@ -288,9 +292,12 @@ class LlamaForCausalLM(nn.Module):
         if quant:
             self._keep_ignored_unquantized(quant)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """Hidden states [T, H] after the final norm, for the step's tokens packed as meta describes."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Hidden states [T, H] after the final norm, for the step's tokens packed as meta describes.
+        image_embeds: (rows [R], embeddings [R, H]) that replace the token embeddings of those rows (the soft
+        tokens of images, models/gemma3_vision.py)."""
+        return self.model(input_ids, positions, meta, image_embeds)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """Logits [N, V] in the model's dtype for the hidden states of the N tokens that sample (None on

@@ -4,7 +4,7 @@ A .gguf file's are those its metadata was converted into (models/gguf_loader.py'
 import json
 import os
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -24,6 +24,8 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     model_dir = model_dir_of(model_path, cache_dir)
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
         return None
+    from transformers import AutoTokenizer  # its modules take seconds to import on some versions: only when used
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 

@@ -18,7 +18,10 @@ and experts.down_proj_bias [E, H]. Checkpoints name them (moe_checkpoint_target 
   interleaved: gate j at column 2j, up j at 2j + 1) and gate_up_proj_bias [E, 2I] likewise, down_proj
   [E, I, H], down_proj_bias [E, H]. The published checkpoints store the two projections in MXFP4
   (config.quantization_config.quant_method "mxfp4") as gate_up_proj_blocks/_scales, rows [E, 2I] still
-  interleaved, and down_proj_blocks/_scales, rows [E, H]: models/mxfp4.py dequantizes them at load.
+  interleaved, and down_proj_blocks/_scales, rows [E, H]. We keep them in MXFP4 (kernels/mxfp4.py): the packed
+  codes as experts.gate_up_proj [E, 2I/N, H/2] and down_proj [E, H, I/N/2] (uint8, rows reordered and split as
+  above), their scales as gate_up_proj_scales [E, 2I/N, H/32] and down_proj_scales [E, H, I/N/32], and the
+  fused MoE dequantizes them as it reads them.
 """
 import re
 from dataclasses import dataclass
@@ -27,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels import fused_moe, linear, select_experts
-from models.mxfp4 import GROUP_SIZE, dequantize_mxfp4
+from kernels import Mxfp4Weight, fused_moe, linear, select_experts
+from kernels.mxfp4 import GROUP_SIZE
 from models.parallel_layers import ParallelModule, check_shape, copy_part, divide, read
 
 MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
@@ -36,6 +39,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 _PER_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MXFP4_WEIGHT = re.compile(r"(.*\.mlp\.experts\.(?:gate_up|down)_proj)_(blocks|scales)$")
 _QWEN3_ROUTER = re.compile(r"(.*\.mlp)\.gate\.weight$")
+GPT_OSS_SWIGLU_ALPHA = 1.702  # transformers' configs before swiglu_alpha existed: the value gpt-oss hard-codes
 CHECKPOINT_LAYOUTS = {  # how a checkpoint stores the experts
     "per_expert": "one tensor per expert and projection",
     "interleaved": "stacked tensors with gate and up features interleaved",
@@ -70,7 +74,8 @@ def moe_spec(config) -> MoeSpec:
         if method not in (None, "mxfp4"):
             raise ValueError(f"gpt-oss quantization {method!r} is not supported (supported: mxfp4, or none)")
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
-                       renormalize=True, bias=True, activation="clamped_swiglu", swiglu_alpha=config.swiglu_alpha,
+                       renormalize=True, bias=True, activation="clamped_swiglu",
+                       swiglu_alpha=getattr(config, "swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
                        swiglu_limit=config.swiglu_limit,
                        checkpoint_layout="mxfp4" if method == "mxfp4" else "interleaved")
     raise ValueError(f"model type {config.model_type!r} has no routed MLP (supported: {', '.join(MOE_MODEL_TYPES)})")
@@ -101,13 +106,15 @@ def check_moe_tensor_parallel(config, size: int) -> None:
 def moe_checkpoint_target(name: str) -> tuple[str, object] | None:
     """(our parameter, slice index) for a routed layer's checkpoint tensor whose name is not ours, or None:
     `...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.gate_up_proj`, (e, "gate")), likewise up and
-    down; `...experts.gate_up_proj_blocks` -> (`...experts.gate_up_proj`, "blocks") and _scales; Qwen3-MoE's
-    router `...mlp.gate.weight` -> (`...mlp.router.weight`, None)."""
+    down; `...experts.gate_up_proj_blocks` -> (`...experts.gate_up_proj`, "blocks"), `..._scales` ->
+    (`...experts.gate_up_proj_scales`, "scales"), likewise down; Qwen3-MoE's router `...mlp.gate.weight` ->
+    (`...mlp.router.weight`, None)."""
     if match := _PER_EXPERT_WEIGHT.match(name):
         experts, expert, projection = match.groups()
         return f"{experts}.{'down_proj' if projection == 'down' else 'gate_up_proj'}", (int(expert), projection)
     if match := _MXFP4_WEIGHT.match(name):
-        return match.group(1), match.group(2)
+        projection, half = match.groups()
+        return (projection if half == "blocks" else f"{projection}_scales"), half
     if match := _QWEN3_ROUTER.match(name):
         return f"{match.group(1)}.router.weight", None
     return None
@@ -135,28 +142,54 @@ class Experts(ParallelModule):
         self.intermediate_size = spec.intermediate_size
         self.inter = divide(spec.intermediate_size, self.tp_size, "the experts' intermediate size")
         experts, inter = spec.num_experts, self.inter
-        self.gate_up_proj = self._parameter(experts, 2 * inter, hidden_size, loader=self.load_gate_up)
-        self.down_proj = self._parameter(experts, hidden_size, inter, loader=self.load_down)
+        if self.layout == "mxfp4":  # packed codes, two a byte, and one scale per group of each row
+            self.gate_up_proj = self._mxfp4_parameter(experts, 2 * inter, hidden_size, "gate_up_proj")
+            self.gate_up_proj_scales = self._mxfp4_parameter(experts, 2 * inter, hidden_size, "gate_up_proj", True)
+            self.down_proj = self._mxfp4_parameter(experts, hidden_size, inter, "down_proj")
+            self.down_proj_scales = self._mxfp4_parameter(experts, hidden_size, inter, "down_proj", True)
+        else:
+            self.gate_up_proj = self._parameter(experts, 2 * inter, hidden_size, loader=self.load_gate_up)
+            self.down_proj = self._parameter(experts, hidden_size, inter, loader=self.load_down)
         self.gate_up_proj_bias = self.down_proj_bias = None
         if spec.bias:
             self.gate_up_proj_bias = self._parameter(experts, 2 * inter, loader=self.load_gate_up_bias)
             self.down_proj_bias = self._parameter(experts, hidden_size, loader=self.load_down_bias)
-        self._mxfp4_halves: dict[str, dict[str, Tensor]] = {}  # blocks or scales read, waiting for the other
+
+    def _mxfp4_parameter(self, experts: int, rows: int, cols: int, name: str, scales: bool = False) -> nn.Parameter:
+        """uint8 [experts, rows, cols / 2] codes, or [experts, rows, cols / 32] scales, of weight `name`."""
+        width = cols // GROUP_SIZE if scales else cols // 2
+
+        def loader(param: Tensor, loaded, index) -> None:
+            self._load_mxfp4(param, name, loaded, index)
+
+        return self._parameter(experts, rows, width, loader=loader, dtype=torch.uint8)
+
+    @property
+    def gate_up_weight(self) -> Tensor | Mxfp4Weight:
+        if self.layout == "mxfp4":
+            return Mxfp4Weight(self.gate_up_proj, self.gate_up_proj_scales)
+        return self.gate_up_proj
+
+    @property
+    def down_weight(self) -> Tensor | Mxfp4Weight:
+        if self.layout == "mxfp4":
+            return Mxfp4Weight(self.down_proj, self.down_proj_scales)
+        return self.down_proj
 
     def checkpoint_slices(self, leaf: str) -> list:
         """The slice indices a checkpoint fills parameter `leaf` with (models/loader.py checks them all)."""
         if leaf.endswith("_bias") or self.layout == "interleaved":
             return [None]
         if self.layout == "mxfp4":
-            return ["blocks", "scales"]
+            return ["scales" if leaf.endswith("_scales") else "blocks"]
         projections = ("gate", "up") if leaf == "gate_up_proj" else ("down",)
         return [(expert, projection) for expert in range(self.num_experts) for projection in projections]
 
     # ---- loaders: weight_loader(param, checkpoint tensor or safetensors slice[, index]) ------------------
 
     def load_gate_up(self, param: Tensor, loaded, index=None) -> None:
-        if index in ("blocks", "scales"):
-            return self._load_mxfp4(param, "gate_up_proj", loaded, index)
+        if index == "blocks":  # an MXFP4 checkpoint for a model whose config does not say so
+            self._check_layout("mxfp4")
         if index is None:  # [E, H, 2I], interleaved: this rank's features are one run of columns
             self._check_layout("interleaved")
             check_shape(loaded, (self.num_experts, self.hidden_size, 2 * self.intermediate_size))
@@ -168,8 +201,8 @@ class Experts(ParallelModule):
         copy_part(rows, loaded, 0, self.tp_rank, self.tp_size)
 
     def load_down(self, param: Tensor, loaded, index=None) -> None:
-        if index in ("blocks", "scales"):
-            return self._load_mxfp4(param, "down_proj", loaded, index)
+        if index == "blocks":  # an MXFP4 checkpoint for a model whose config does not say so
+            self._check_layout("mxfp4")
         if index is None:  # [E, I, H]
             self._check_layout("interleaved")
             check_shape(loaded, (self.num_experts, self.intermediate_size, self.hidden_size))
@@ -197,27 +230,22 @@ class Experts(ParallelModule):
                              f"{CHECKPOINT_LAYOUTS[self.layout]}")
 
     def _load_mxfp4(self, param: Tensor, name: str, loaded, half: str) -> None:
-        """Keeps this rank's rows of the blocks or the scales until the other arrives, then dequantizes them
-        into the parameter expert by expert (on its device)."""
-        self._check_layout("mxfp4")
+        """This rank's rows of weight `name`'s MXFP4 blocks or scales, as the checkpoint packs them, into param:
+        gate/up rows reordered as the bf16 layout's, blocks' groups flattened into rows of bytes."""
         experts, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
         if name == "gate_up_proj":  # rows: gate and up interleaved, this rank's are one run
             rows, groups, dim, length = 2 * inter, hidden // GROUP_SIZE, 1, 2 * self.inter
         else:  # rows: hidden features; this rank's intermediate features are a run of scale groups
             rows, groups, dim, length = hidden, inter // GROUP_SIZE, 2, self.inter // GROUP_SIZE
-        start = self.tp_rank * length
         check_shape(loaded, (experts, rows, groups, GROUP_SIZE // 2) if half == "blocks" else (experts, rows, groups))
-        halves = self._mxfp4_halves.setdefault(name, {})
-        halves[half] = read(loaded, dim, start, length).to(param.device)
-        if len(halves) < 2:
-            return
-        del self._mxfp4_halves[name]
-        for expert in range(experts):
-            values = dequantize_mxfp4(halves["blocks"][expert], halves["scales"][expert], param.dtype)
-            if name == "gate_up_proj":
-                self._store_interleaved(param.data[expert:expert + 1], values.unsqueeze(0))
-            else:
-                param.data[expert].copy_(values)
+        part = read(loaded, dim, self.tp_rank * length, length)
+        if part.dtype != torch.uint8:
+            raise ValueError(f"is {part.dtype}, but MXFP4 {half} are uint8")
+        part = part.flatten(2).to(param.device)
+        if name == "gate_up_proj":
+            self._store_interleaved(param.data, part)
+        else:
+            param.data.copy_(part)
 
 
 class MoeMLP(nn.Module):
@@ -233,8 +261,8 @@ class MoeMLP(nn.Module):
         spec, experts = self.spec, self.experts
         topk_ids, topk_weights = select_experts(self.router(x), spec.top_k, spec.renormalize)
         down_bias = experts.down_proj_bias if experts.tp_rank == 0 else None
-        y = fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias,
-                      down_bias, spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
+        y = fused_moe(x, topk_ids, topk_weights, experts.gate_up_weight, experts.down_weight,
+                      experts.gate_up_proj_bias, down_bias, spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
         if experts.tp_size > 1:
             dist.all_reduce(y)
         return y

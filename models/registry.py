@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-# Architectures with an LM head (all served by models/llama.py; of a multimodal checkpoint, its text decoder),
+# Architectures with an LM head (all served by models/llama.py; of a multimodal checkpoint, its text decoder, with
+# its image encoder beside it when VISION_ARCHITECTURES lists it),
 # and bare decoders (no head: embedding models saved as the base model).
 DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
             "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3MoeForCausalLM",
@@ -19,6 +20,7 @@ CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassificatio
                "XLMRobertaForSequenceClassification")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel", *CLASSIFIERS)
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
+VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)  # their image encoder is served too (not from a GGUF)
 
 
 @dataclass
@@ -27,6 +29,13 @@ class LoadedModel:
     hf_config: object  # a decoder's: the text config (of a multimodal checkpoint, its text_config)
     kind: str  # "decoder" | "encoder" | "classifier" (a cross-encoder)
     model_dir: str
+    vision: nn.Module | None = None  # a multimodal decoder's image encoder (models/gemma3_vision.py)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of this process's parameters (with tensor parallelism, its rank's share), as stored:
+        FP8 and MXFP4 weights at their packed size."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
 @contextlib.contextmanager
@@ -87,4 +96,20 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_
                            "classifier" if classifier else "encoder", model_path)
     model = build_decoder(hf_config, dtype, device, architecture in DECODERS, max_model_len, fp8_gemm)
     load_safetensors(model, model_path)
-    return LoadedModel(model.eval(), hf_config.get_text_config(), "decoder", model_path)
+    vision = load_vision(model_path, hf_config, dtype, device) if architecture in VISION_ARCHITECTURES else None
+    return LoadedModel(model.eval(), hf_config.get_text_config(), "decoder", model_path, vision)
+
+
+def load_vision(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+    """A multimodal checkpoint's image encoder (None under tensor parallelism, whose other ranks would have to
+    follow each image step: such an engine serves the text decoder alone and refuses images)."""
+    from models.gemma3_vision import Gemma3VisionEncoder, checkpoint_names
+    from models.loader import iterate_safetensors, load_weights
+    from models.parallel_layers import tp_size
+
+    if tp_size() > 1:
+        return None
+    with torch.device(device), default_dtype(dtype):
+        encoder = Gemma3VisionEncoder(hf_config)
+    load_weights(encoder, iterate_safetensors(model_dir, lazy=True), source=model_dir, names=checkpoint_names())
+    return encoder.eval()

@@ -28,7 +28,8 @@ TRANSPORT_VARIABLES = {"HFENDPOINT_FD", "HFENDPOINT_STDIO", "HFENDPOINT_UNIX_LIS
 def clean_env(tmp_path: Path, **overrides: str) -> dict[str, str]:
     """The caller's environment without any model or daemon choice of its own, and no /repository."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST", "FRONT", "FRONT_PYTHON")}
+           if not k.startswith("HFENDPOINT_") and k not in ("MODEL_ID", "PORT", "HOST", "FRONT", "FRONT_PYTHON",
+                                                                          "TRITON_CACHE_DIR")}
     env.update(HFENDPOINT_REPOSITORY_DIR=str(tmp_path / "no-repository"), PYTHON=sys.executable, HF_HUB_OFFLINE="1")
     env.update(overrides)
     return env
@@ -129,6 +130,23 @@ def test_a_mounted_model_wins_over_model_id(tmp_path):
     result = run(env)
     assert result.returncode == 0, result.stderr
     assert f"serving the model mounted at {repository}" in result.stderr
+
+
+def test_triton_keeps_its_kernels_on_a_mounted_volume(tmp_path):
+    volume = tmp_path / "data"
+    volume.mkdir()
+    print_env = tmp_path / "print-env"
+    print_env.write_text("#!/bin/sh\nexec env\n")
+    print_env.chmod(0o755)
+    env = clean_env(tmp_path, FRONT="hfendpoint", HFENDPOINT_BIN=str(print_env), HFENDPOINT_CACHE_VOLUME=str(volume))
+    result = run(env)
+    assert result.returncode == 0, result.stderr
+    assert f"TRITON_CACHE_DIR={volume}/nanovllm-endpoint/triton\n" in result.stdout
+    assert (volume / "nanovllm-endpoint" / "triton").is_dir()
+    chosen = run({**env, "TRITON_CACHE_DIR": str(tmp_path / "mine")})
+    assert f"TRITON_CACHE_DIR={tmp_path / 'mine'}\n" in chosen.stdout
+    absent = run({**env, "HFENDPOINT_CACHE_VOLUME": str(tmp_path / "none")})
+    assert "TRITON_CACHE_DIR=" not in absent.stdout
 
 
 def test_a_hub_id_is_left_to_the_handler(tmp_path):

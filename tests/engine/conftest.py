@@ -27,6 +27,11 @@ def tiny_llama(tmp_path_factory) -> Reference:
     return _make("llama", tmp_path_factory)
 
 
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def tiny_llama_or_qwen3(request, tmp_path_factory) -> Reference:
+    return _make(request.param, tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory) -> Reference:
     return _make("mistral", tmp_path_factory)

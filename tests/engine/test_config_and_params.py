@@ -1,7 +1,11 @@
 """EngineConfig.from_env and SamplingParams validation: bad values are refused with a message naming them."""
 import pytest
+import torch
+from gpu_capability import pretend_capability
 
 from engine import EngineConfig, SamplingParams
+from engine.config import auto_dtype
+from kernels import gpu_features
 
 
 def test_from_env_reads_every_variable():
@@ -13,6 +17,7 @@ def test_from_env_reads_every_variable():
     config = EngineConfig.from_env("/m", env)
     assert config == EngineConfig("/m", 2048, 0.5, True, 1024, 8, 1, 32, 0.25, 64, "bfloat16", "cpu", 4096)
     assert EngineConfig.from_env("/m", {}) == EngineConfig("/m")
+    assert EngineConfig.from_env("/m", {"HFENDPOINT_DATA_PARALLEL_SIZE": "4"}).data_parallel_size == 4
 
 
 @pytest.mark.parametrize("name, value", [
@@ -20,7 +25,7 @@ def test_from_env_reads_every_variable():
     ("HFENDPOINT_GPU_MEMORY_UTILIZATION", "1.5"), ("HFENDPOINT_GPU_MEMORY_UTILIZATION", "x"),
     ("HFENDPOINT_ENFORCE_EAGER", "maybe"), ("HFENDPOINT_MAX_SEQS", "-3"), ("HFENDPOINT_KV_BLOCK_SIZE", "24"),
     ("HFENDPOINT_CPU_KV_CACHE_GB", "0"), ("HFENDPOINT_NUM_KV_BLOCKS", "0"), ("HFENDPOINT_DTYPE", "int8"),
-    ("HFENDPOINT_DEVICE", "tpu"), ("HFENDPOINT_MAX_BATCHED_TOKENS", "1.5"),
+    ("HFENDPOINT_DEVICE", "tpu"), ("HFENDPOINT_MAX_BATCHED_TOKENS", "1.5"), ("HFENDPOINT_DATA_PARALLEL_SIZE", "0"),
 ])
 def test_from_env_names_the_bad_variable(name, value):
     with pytest.raises(ValueError, match=name):
@@ -57,3 +62,39 @@ def test_sampling_params_defaults_and_flags():
     params = SamplingParams(temperature=0, stop_token_ids=[3, 4], max_tokens=None)
     assert params.greedy and not params.penalised and params.stop_token_ids == (3, 4)
     assert SamplingParams(repetition_penalty=1.2).penalised
+
+
+@pytest.mark.parametrize("capability,features,expected", [
+    ((7, 5), "auto", torch.float16), ((8, 0), "auto", torch.bfloat16), ((9, 0), "no-bfloat16", torch.float16),
+    ((9, 0), "portable", torch.bfloat16),
+])
+def test_auto_dtype_is_float16_where_bfloat16_is_missing(monkeypatch, capability, features, expected):
+    pretend_capability(monkeypatch, capability)
+    cuda = torch.device("cuda")
+    assert auto_dtype(cuda, gpu_features.parse(features)) == expected
+    assert EngineConfig(model="m", device="cuda", gpu_features=features).torch_dtype == expected
+    assert auto_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("capability,settings,message", [
+    ((8, 6), {"kv_cache_dtype": "fp8"}, "HFENDPOINT_KV_CACHE_DTYPE=fp8 needs e4m3 .*8.9.* this GPU has 8.6"),
+    ((9, 0), {"kv_cache_dtype": "fp8", "gpu_features": "no-e4m3"}, "HFENDPOINT_GPU_FEATURES=no-e4m3"),
+    ((7, 5), {"dtype": "bfloat16"}, "HFENDPOINT_DTYPE=bfloat16 needs bfloat16 .*8.0.* this GPU has 7.5"),
+])
+def test_what_the_gpu_cannot_run_is_refused_naming_the_variable(monkeypatch, capability, settings, message):
+    pretend_capability(monkeypatch, capability)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", device="cuda", **settings).check_device()
+
+
+def test_what_the_gpu_runs_is_accepted(monkeypatch):
+    pretend_capability(monkeypatch, (8, 9))
+    EngineConfig(model="m", device="cuda", kv_cache_dtype="fp8").check_device()
+    EngineConfig(model="m", kv_cache_dtype="fp8", device="cpu").check_device()  # the CPU's reference cache
+
+
+def test_gpu_features_variable_is_read_and_checked():
+    assert EngineConfig.from_env("m", {"HFENDPOINT_GPU_FEATURES": "portable"}).disabled_gpu_features == frozenset(
+        gpu_features.PORTABLE)
+    with pytest.raises(ValueError, match="HFENDPOINT_GPU_FEATURES='no-tma' is invalid"):
+        EngineConfig.from_env("m", {"HFENDPOINT_GPU_FEATURES": "no-tma"})

@@ -1,14 +1,18 @@
 """Greedy decoding through engine.LLM equals transformers' greedy output token for token, on tiny random
 Llama / Qwen2 / Qwen3 models (GQA), also with prefix-cache hits, chunked prefill and preemption."""
+import copy
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import GraphShape
+from random_decoders import Reference
 
 LENGTHS = [3, 17, 33, 50]
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
+FP16_NEW = 16
 
 
 def expected(ref, prompts):
@@ -25,6 +29,19 @@ def test_greedy_matches_transformers(tiny_model, prompts_of_lengths):
     assert generated(llm, prompts) == expected(tiny_model, prompts)
     stats = llm.core.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["running"] == stats["waiting"] == 0
+
+
+def test_float16_greedy_matches_transformers_float16(tiny_llama_or_qwen3, prompts_of_lengths):
+    """What a GPU without bfloat16 serves (HFENDPOINT_DTYPE=auto is float16 on a T4): float16 greedy decoding equals
+    transformers' in float16, on the CPU (transformers' model and ours both there), over FP16_NEW tokens: float16's
+    rounding, summed in another order, flips a near-tie of the random models further on (of Qwen2's and Mistral's
+    within it)."""
+    tiny = tiny_llama_or_qwen3
+    prompts = prompts_of_lengths(LENGTHS)
+    reference = Reference(tiny.path, copy.deepcopy(tiny.hf_model).half())
+    llm = LLM(tiny.path, dtype="float16", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=FP16_NEW)
+    assert generated(llm, prompts, params) == [reference.greedy(prompt, FP16_NEW) for prompt in prompts]
 
 
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model, prompts_of_lengths):
@@ -81,8 +98,11 @@ def test_stop_tokens_and_length_limits(tiny_llama, prompts_of_lengths):
     assert out["token_ids"] == reference[:reference.index(stop) + 1]
     capped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None))[0]
     assert capped["token_ids"] == reference[:5]  # max_model_len
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([prompt + [1] * 5], GREEDY)
+    longest = prompt + reference[:4]  # max_model_len - 1 tokens: room for one
+    assert generated(llm, [longest]) == [tiny_llama.greedy(longest, 1)]
+    for too_long in (prompt + [1] * 5, prompt + [1] * 6):  # max_model_len tokens, and one more
+        with pytest.raises(ValueError, match=f"the prompt has {len(too_long)} tokens.*max_model_len"):
+            llm.generate([too_long], GREEDY)
 
 
 @torch.inference_mode()

@@ -79,6 +79,12 @@ def test_graph_choice():
     assert graphs.shape_for([4000, 96]) == GraphShape(4096, 32, is_decode=False)
     assert graphs.shape_for([4097]) is None
     assert graphs.shape_for([1] * 33) is None
+    graphs.plan_all()  # the order the warm-up captures them in: largest first, sharing the first one's pool
+    assert [shape.num_tokens for shape in graphs.pending] == sorted(
+        [shape.num_tokens for shape in graphs.shapes()], reverse=True)
+    del graphs.captured[GraphShape(8, 8, is_decode=True)]  # not captured yet: a step of its size runs eagerly
+    assert graphs.shape_for([1] * 5) is None
+    assert graphs.shape_for([1] * 9) == GraphShape(16, 16, is_decode=True)
     offline = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=16384))
     assert offline.prefill_tokens[-4:] == [3072, 4096, 6144, PREFILL_GRAPH_MAX_TOKENS] == [3072, 4096, 6144, 8192]
 

@@ -69,6 +69,34 @@ def test_preempts_the_newest_and_recomputes_it_later():
     assert new.num_output_tokens == 2
 
 
+def test_a_preempted_request_goes_ahead_of_those_already_waiting():
+    """It arrived before them, so it is admitted again before them (first come, first served)."""
+    scheduler = setup(num_blocks=4, budget=100, block_size=4)
+    old, new = seq(8, "old", max_tokens=6), seq(8, "new", max_tokens=6, first=100)
+    later = [seq(4, "w1", max_tokens=2, first=200), seq(4, "w2", max_tokens=2, first=300)]
+    for s in (old, new, *later):
+        scheduler.add(s)
+    assert run_step(scheduler) == [("old", 8), ("new", 8)]  # the pool is full: w1 and w2 wait
+    assert run_step(scheduler) == [("old", 1)]  # old needs a third block: new is preempted
+    assert list(scheduler.waiting) == [new, *later]
+    while not old.is_finished:
+        run_step(scheduler)
+    assert run_step(scheduler) == [("new", 9), ("w1", 4)]
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """Admitting in the step that preempted would hand the blocks just freed straight back to a waiting request
+    (here the one preempted), so that the running requests preempt again next step."""
+    scheduler = setup(num_blocks=3, budget=5, block_size=4)
+    old, new = seq(4, "old", max_tokens=6), seq(8, "new", max_tokens=6, first=100)
+    for s in (old, new):
+        scheduler.add(s)
+    assert run_step(scheduler) == [("old", 4), ("new", 1)]  # a block each, one free
+    assert run_step(scheduler) == [("old", 1)]  # old takes the free block; new's next chunk needs one: preempted
+    assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [new]
+    assert scheduler.block_manager.num_free_blocks == 1  # room for a chunk of new within the budget left
+    assert run_step(scheduler) == [("old", 1), ("new", 4)]  # admitted in the next step
+
 def test_abort_frees_blocks():
     scheduler = setup()
     a = seq(9, "a")

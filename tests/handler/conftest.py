@@ -69,6 +69,12 @@ class HostedFrontServer:
 
 
 @pytest.fixture(scope="session")
+def hosted_front():
+    """HostedFrontServer, for tests that serve a model of their own."""
+    return HostedFrontServer
+
+
+@pytest.fixture(scope="session")
 def smollm2_service(smollm2_path, tmp_path_factory):
     """`python -m handler` serving SmolLM2 on CPU behind our front, started once per session, named
     "smollm2-test"; its stdout (the access lines) goes to the file `daemon.handler_stdout`."""

@@ -103,6 +103,20 @@ def test_forced_tool_calls_are_valid_and_identical_streamed_or_not(client, tool_
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 
+def test_a_client_reading_only_the_first_tool_call_entry_of_each_chunk_gets_the_whole_call(client):
+    """instructor and llama-index read tool_calls[0] of each chunk; the openai client's stream helper merges all."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(tools=TOOLS, tool_choice=named, temperature=0, max_tokens=60)
+    [call] = create(client, ASK_WEATHER, **kwargs).choices[0].message.tool_calls
+    firsts = [chunk.choices[0].delta.tool_calls[0] for chunk in create(client, ASK_WEATHER, stream=True, **kwargs)
+              if chunk.choices[0].delta.tool_calls]
+    assert firsts[0].function.name == "get_weather"
+    assert "".join(delta.function.arguments or "" for delta in firsts) == call.function.arguments
+    with client.chat.completions.stream(model="smollm2", messages=ASK_WEATHER, **kwargs) as stream:
+        [merged] = stream.get_final_completion().choices[0].message.tool_calls
+    assert (merged.function.name, merged.function.arguments) == ("get_weather", call.function.arguments)
+
+
 def test_without_parallel_calls_required_gives_exactly_one(client):
     reply = create(client, ASK_WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                    temperature=0.9, seed=5)

@@ -171,7 +171,8 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
     ({"messages": [1]}, r"messages\[0\] must be a map"),
     ({"messages": [{"role": 3, "content": "x"}]}, r"messages\[0\].role must be a string"),
     ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\].content must be a string or a list"),
-    ({"messages": [{"content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
+    ({"messages": [{"content": [{"type": "image_url", "image_url": {}}]}]},
+     r"messages\[0\].content\[0\]: this model does not read images"),
     ({"messages": [{"content": [{"type": "text", "text": 1}]}]}, r"content\[0\].text must be a string"),
     ({**user("hi"), "temperature": -1}, "temperature must be >= 0, got -1"),
     ({**user("hi"), "temperature": "hot"}, "temperature"),
@@ -263,6 +264,35 @@ def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(model):
     hi = user("hi")
     assert parse_chat_request(hi, bounded).prompt_token_ids == expected_prompt(model.tokenizer, hi["messages"])
 
+
+def test_a_prompt_fits_when_it_leaves_room_for_one_token(model):
+    """The context of max_model_len tokens holds the prompt and at least one generated token: a prompt of
+    max_model_len - 1 tokens generates one, one of max_model_len or one more is refused."""
+    num_tokens = len(parse_chat_request(user("hi"), model).prompt_token_ids)
+    room_for_one = dataclasses.replace(model, max_model_len=num_tokens + 1)
+    assert parse_chat_request(user("hi"), room_for_one).params.max_tokens == 1
+    assert parse_chat_request({**user("hi"), "max_tokens": 1}, room_for_one).params.max_tokens == 1
+    with pytest.raises(RequestError, match="prompt tokens plus 2 completion tokens") as raised:
+        parse_chat_request({**user("hi"), "max_tokens": 2}, room_for_one)
+    assert (raised.value.param, raised.value.code) == ("max_tokens", "context_length_exceeded")
+    for max_model_len in (num_tokens, num_tokens - 1):
+        with pytest.raises(RequestError, match=f"the prompt is {num_tokens} tokens") as raised:
+            parse_chat_request(user("hi"), dataclasses.replace(model, max_model_len=max_model_len))
+        assert (raised.value.param, raised.value.code) == ("messages", "context_length_exceeded")
+
+
+def test_the_character_bound_refuses_a_prompt_that_leaves_no_room(model):
+    """With a bound of one character per token a prompt of C characters has at least C tokens: refused before
+    tokenizing where max_model_len is C or less, tokenized (and here served) where it is C + 1."""
+    num_chars = len(model.tokenizer.apply_chat_template(user("hi")["messages"], tokenize=False,
+                                                        add_generation_prompt=True))
+    for max_model_len in (num_chars, num_chars - 1):
+        bounded = dataclasses.replace(model, max_model_len=max_model_len, max_chars_per_token=1)
+        with pytest.raises(RequestError, match=f"the prompt is {num_chars} characters, at least {num_chars} tokens"):
+            parse_chat_request(user("hi"), bounded)
+    room = dataclasses.replace(model, max_model_len=num_chars + 1, max_chars_per_token=1)
+    assert parse_chat_request(user("hi"), room).prompt_token_ids == expected_prompt(model.tokenizer, user("hi")[
+        "messages"])
 
 def test_the_character_bound_holds_for_the_worst_texts(smollm2_tokenizer):
     """SmolLM2 (byte-level BPE, no normalizer): its longest vocabulary entry, and no text has fewer tokens than

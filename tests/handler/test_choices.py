@@ -25,8 +25,8 @@ def replies(smollm2_tokenizer):
     return ChatReplies(smollm2_tokenizer, grammars.token_bytes)
 
 
-def choice(replies, plan, index=0):
-    request = type("Request", (), {"prompt_token_ids": [1, 2, 3], "stop": ()})
+def choice(replies, plan, index=0, stop=()):
+    request = type("Request", (), {"prompt_token_ids": [1, 2, 3], "stop": stop})
     return Choice(index, replies._detokenizer(request), plan, replies.logprobs)
 
 
@@ -54,6 +54,15 @@ def test_without_parallel_calls_the_choice_ends_after_its_first_call(smollm2_tok
     assert one.finish_reason == "tool_calls" and not one.completion.engine_finished, "to be aborted"
     assert [d["function"]["name"] for c in chunks for d in c.get("tool_calls", ()) if "id" in d] == ["f"]
     assert sum("choice_finish_reason" in chunk for chunk in chunks) == 1
+
+
+def test_the_chunk_that_a_stop_string_ends_names_it(smollm2_tokenizer, replies):
+    ids = smollm2_tokenizer.encode("Paris is nice. Lyon too.")
+    chunks, _, content = run(choice(replies, OutputPlan(), stop=("Lyon", "nice")), outputs("r", ids, None))
+    assert content == "Paris is "
+    assert [(c.get("choice_finish_reason"), c.get("stop_sequence")) for c in chunks][-1] == ("stop", "nice")
+    ended_by_eos = run(choice(replies, OutputPlan(), stop=("Lyon",)), outputs("r", ids[:3], "stop"))[0]
+    assert "stop_sequence" not in ended_by_eos[-1]
 
 
 def test_logprobs_cover_the_text_tokens_not_the_stop_token(smollm2_tokenizer, replies):

@@ -77,6 +77,7 @@ def test_earliest_of_several_stop_strings_wins(smollm2_tokenizer):
     ids = encode(smollm2_tokenizer, "one two three four")
     detokenizer = Detokenizer(smollm2_tokenizer.backend_tokenizer, [], stop=["four", "two three"])
     assert "".join(stream(detokenizer, ids)) == "one "
+    assert detokenizer.stop_string == "two three", "the stop string found is named"
 
 
 def test_held_back_text_is_flushed_when_no_stop_string_completes(smollm2_tokenizer):
@@ -84,7 +85,7 @@ def test_held_back_text_is_flushed_when_no_stop_string_completes(smollm2_tokeniz
     ids = encode(smollm2_tokenizer, text)
     detokenizer = Detokenizer(smollm2_tokenizer.backend_tokenizer, [], stop=["Paris!"])
     released = "".join(stream(detokenizer, ids))
-    assert not detokenizer.stopped
+    assert not detokenizer.stopped and detokenizer.stop_string is None
     assert released == "The capital of France is ", "the possible start of the stop string is held back"
     assert released + detokenizer.flush() == text
     assert detokenizer.flush() == ""

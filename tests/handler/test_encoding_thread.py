@@ -19,13 +19,14 @@ SLOW_S = 0.3
 class FakeWorker:
     """Records what reaches the engine; each request finishes at once with one token."""
 
-    kind, eos_token_ids, max_model_len, max_embedding_tokens = "decoder", (), 2048, 2048
+    kind, eos_token_ids, max_model_len, max_embedding_tokens, reads_images = "decoder", (), 2048, 2048, False
 
     def __init__(self, model_dir: str, vocab_size: int = 49152):
         self.model_dir, self.vocab_size = model_dir, vocab_size
         self.submitted: list[str] = []
 
-    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None):
+    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None,
+               images=()):
         self.submitted.append(request_id)
         outputs = queue or asyncio.Queue()
         outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
@@ -111,11 +112,11 @@ def blocking_on(monkeypatch, release: threading.Event, started: list) -> None:
     """parse_chat_request, made to wait for `release` on requests whose last message is "block"."""
     parse = handler.service.parse_chat_request
 
-    def parse_or_block(data, chat_model):
+    def parse_or_block(data, chat_model, image_sources=()):
         started.append(data["messages"][-1]["content"])
         if data["messages"][-1]["content"] == "block":
             assert release.wait(60), "never released"
-        return parse(data, chat_model)
+        return parse(data, chat_model, image_sources)
     monkeypatch.setattr(handler.service, "parse_chat_request", parse_or_block)
 
 
@@ -182,7 +183,7 @@ def test_cancelled_while_encoding_never_reaches_the_engine(service, monkeypatch)
     encoded = threading.Event()
     parse = handler.service.parse_chat_request
     monkeypatch.setattr(handler.service, "parse_chat_request",
-                        lambda data, chat_model: (parse(data, chat_model), encoded.set())[0])
+                        lambda data, chat_model, images=(): (parse(data, chat_model, images), encoded.set())[0])
 
     async def scenario():
         task = asyncio.ensure_future(completion(service, chat("block")))

@@ -18,9 +18,22 @@ def test_defaults_and_values():
     assert HandlerSettings.from_env({"HFENDPOINT_DRAIN_TIMEOUT": "0"}).drain_timeout == 0
 
 
+def test_image_limits():
+    env = {"HFENDPOINT_IMAGE_MAX_BYTES": "1000", "HFENDPOINT_IMAGE_MAX_PIXELS": "64",
+           "HFENDPOINT_IMAGE_FETCH_TIMEOUT": "2", "HFENDPOINT_MAX_IMAGES_PER_REQUEST": "0",
+           "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS": "10.0.0.0/8, ::1"}
+    settings = HandlerSettings.from_env(env)
+    assert (settings.image_max_bytes, settings.image_max_pixels, settings.image_fetch_timeout,
+            settings.max_images_per_request) == (1000, 64, 2.0, 0)
+    assert [str(network) for network in settings.image_url_allowed_networks] == ["10.0.0.0/8", "::1/128"]
+    assert HandlerSettings.from_env({}).image_url_allowed_networks == ()
+
+
 @pytest.mark.parametrize("name, value", [
     ("HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE", "maybe"), ("HFENDPOINT_DRAIN_TIMEOUT", "soon"),
     ("HFENDPOINT_DRAIN_TIMEOUT", "-1"), ("HFENDPOINT_DRAIN_TIMEOUT", "inf"), ("HFENDPOINT_DRAIN_TIMEOUT", "nan"),
+    ("HFENDPOINT_IMAGE_MAX_BYTES", "0"), ("HFENDPOINT_IMAGE_MAX_PIXELS", "many"),
+    ("HFENDPOINT_MAX_IMAGES_PER_REQUEST", "-1"), ("HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS", "10.0.0.1/8"),
 ])
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=f"^{name}='{value}' is invalid: expected"):

@@ -12,11 +12,12 @@ def stream(style, text, step, function_name=None, max_calls=None):
     """(content, deltas, parser) of text fed `step` characters at a time."""
     parser = ToolCallParser(style, function_name, max_calls)
     content, deltas = "", []
-    for start in range(0, len(text), step):
-        out = parser.feed(text[start:start + step])
+    outs = [parser.feed(text[start:start + step]) for start in range(0, len(text), step)] + [parser.finish()]
+    for out in outs:
+        indexes = [delta["index"] for delta in out.tool_calls]
+        assert len(indexes) == len(set(indexes)), f"one delta per call index in a chunk, got {out.tool_calls}"
         content, deltas = content + out.content, deltas + out.tool_calls
-    out = parser.finish()
-    return content + out.content, deltas + out.tool_calls, parser
+    return content, deltas, parser
 
 
 def merged(deltas):
@@ -26,8 +27,7 @@ def merged(deltas):
         if "id" in delta:
             assert delta["index"] not in calls, "one header per call"
             assert delta["type"] == "function" and delta["id"].startswith("call_")
-            assert delta["function"]["arguments"] == "", "the name's delta comes alone"
-            calls[delta["index"]] = [delta["function"]["name"], ""]
+            calls[delta["index"]] = [delta["function"]["name"], delta["function"]["arguments"]]
         else:
             assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
             calls[delta["index"]][1] += delta["function"]["arguments"]
@@ -71,7 +71,22 @@ def test_streamed_deltas_rebuild_the_calls_whatever_the_piece_sizes(style, text,
 def test_named_choice_reads_the_whole_reply_as_its_arguments():
     content, deltas, _ = stream("arguments", WEATHER, 3, function_name="weather")
     assert content == "" and merged(deltas) == [("weather", WEATHER)]
-    assert deltas[0]["function"] == {"name": "weather", "arguments": ""}
+    assert deltas[0]["function"] == {"name": "weather", "arguments": WEATHER[:3]}, "the name comes with the text read"
+
+
+@pytest.mark.parametrize("style, text, function_name", [
+    ("arguments", WEATHER, "weather"),
+    ("hermes", '<tool_call>{"name": "weather", "arguments": ' + WEATHER + "}</tool_call>", None),
+    ("hermes", '<tool_call>{"arguments": ' + WEATHER + ', "name": "weather"}</tool_call>', None),
+])
+@pytest.mark.parametrize("step", [1, 4, 10_000])
+def test_a_client_reading_only_the_first_entry_of_each_chunk_gets_the_whole_call(style, text, function_name, step):
+    """As instructor and llama-index read streamed tool calls: tool_calls[0] of each chunk, nothing more."""
+    parser = ToolCallParser(style, function_name)
+    outs = [parser.feed(text[start:start + step]) for start in range(0, len(text), step)] + [parser.finish()]
+    firsts = [out.tool_calls[0] for out in outs if out.tool_calls]
+    assert firsts[0]["function"]["name"] == "weather"
+    assert "".join(delta["function"]["arguments"] for delta in firsts) == WEATHER
 
 
 def test_arguments_stream_as_they_are_generated():

@@ -178,7 +178,7 @@ def test_reference_reads_keys_and_values_times_their_scales():
                                    DecodeTiles(128, 4, 2), DecodeTiles(256, 8, 2, 512)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_decode_tiles_change_no_result(tiles, num_splits):
-    """Every tile configuration bench/fp8_attention_sweep.py tries computes the same attention."""
+    """Tiles of every size, register cap and split threshold compute the same attention."""
     contexts = [1, 16, 100, 129, 255, 256, 257, 600]
     q, k_cache, v_cache, meta, k_scale, v_scale = fp8_paged_batch([1] * len(contexts), contexts, 8, 2, 64, 16,
                                                                   torch.float32)

@@ -1,11 +1,14 @@
 """The Triton mixture of experts (routing, the sort by expert, the grouped GEMMs) against the torch reference's
 loop over experts, with uneven expert loads, experts that get no token, top-k 1, 2 and 8, one token, biases
-on and off, and both activations."""
+on and off, and both activations; and experts in MXFP4 against the reference on their dequantized values."""
+import math
+
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, TOLERANCE, assert_close, cuda_only
 
 from kernels import reference
+from kernels.mxfp4 import Mxfp4Weight
 from kernels.triton_moe import (
     GemmTiles,
     MoeTiles,
@@ -133,3 +136,51 @@ def test_fused_moe_rejects_mismatched_weights():
     with pytest.raises(ValueError, match="activation 'gelu'"):
         fused_moe(x, ids, weights, w_gate_up, w_down, activation="gelu")
 
+
+
+def mxfp4_weight(num_experts, rows, cols, generator):
+    """Random MXFP4 codes (every E2M1 value, both signs; their root mean square is near 3) under per-group
+    scales spread over four powers of two around 1 / (3 sqrt(cols)), so that outputs stay near unit size."""
+    blocks = torch.randint(0, 256, (num_experts, rows, cols // 2), dtype=torch.uint8, generator=generator)
+    center = 127 - round(math.log2(3 * cols**0.5))
+    scales = torch.randint(center - 2, center + 2, (num_experts, rows, cols // 32), dtype=torch.uint8,
+                           generator=generator)
+    return Mxfp4Weight(blocks.to(DEVICE), scales.to(DEVICE))
+
+
+MXFP4_TILES = MoeTiles(16, GemmTiles(16, 32, 4, 2), GemmTiles(16, 64, 4, 2))
+MXFP4_CASES = [  # (tokens, hidden, inter, experts, top_k, tiles)
+    (1, 64, 32, 8, 2, MXFP4_TILES),  # one token; the down GEMM's K (32) within one BLOCK_K of 64
+    (21, 96, 64, 6, 2, MXFP4_TILES),  # K=96: a gate/up BLOCK_K of 32 even, the down's 64 ragged
+    *cuda_only((1, 2880, 2880, 32, 4, None), (64, 2880, 2880, 32, 4, None), (512, 2880, 1440, 32, 4, None),
+               (4096, 2880, 2880, 32, 4, None)),  # gpt-oss-20b's experts (and a TP=2 rank's)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k,tiles", MXFP4_CASES)
+def test_mxfp4_fused_moe_matches_dequantized_reference(num_tokens, hidden, inter, num_experts, top_k, tiles, dtype):
+    """gpt-oss's experts kept in MXFP4: the kernels' in-register dequantization against the reference on the
+    dequantized weights, with gpt-oss's biases and clamped SwiGLU."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    ids, weights = skewed_routing(num_tokens, num_experts, top_k, empty=min(2, num_experts - top_k))
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    w_gate_up = mxfp4_weight(num_experts, 2 * inter, hidden, generator)
+    w_down = mxfp4_weight(num_experts, hidden, inter, generator)
+    b_gate_up, b_down = (torch.randn(num_experts, n, device=DEVICE).to(dtype) for n in (2 * inter, hidden))
+    kwargs = dict(activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=1.5)
+    expected = reference.fused_moe(x.float(), ids, weights, w_gate_up.dequantize(torch.float32),
+                                   w_down.dequantize(torch.float32), b_gate_up.float(), b_down.float(), **kwargs)
+    assert torch.equal(reference.fused_moe(x.float(), ids, weights, w_gate_up, w_down, b_gate_up.float(),
+                                           b_down.float(), **kwargs), expected)  # the reference dispatches alike
+    actual = fused_moe(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, tiles=tiles, **kwargs)
+    assert_moe_close(actual, expected, dtype)
+
+
+def test_mxfp4_fused_moe_needs_whole_groups_per_tile():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, device=DEVICE)
+    ids, weights = skewed_routing(3, 4, 2, empty=0)
+    w_gate_up, w_down = mxfp4_weight(4, 64, 64, generator), mxfp4_weight(4, 64, 32, generator)
+    with pytest.raises(ValueError, match="BLOCK_K 16 must be a multiple of the MXFP4 group size 32"):
+        fused_moe(x, ids, weights, w_gate_up, w_down, tiles=SMALL_TILES)

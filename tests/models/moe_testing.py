@@ -1,6 +1,12 @@
-"""Tiny random mixture-of-experts configs and an MXFP4 quantizer for the MoE tests."""
+"""Tiny random mixture-of-experts configs, an MXFP4 quantizer and MXFP4 gpt-oss checkpoints for the MoE tests."""
+import json
+import os
+
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, Qwen3MoeConfig
+
+from random_decoders import save_random_decoder
 
 TINY = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2)
@@ -39,3 +45,35 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     values = torch.where(negative, -MAGNITUDES[index], MAGNITUDES[index]) * torch.exp2(exponent)
     return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8), values.reshape(x.shape)
+
+
+def mxfp4_experts(model, weights: dict) -> dict:
+    """A checkpoint's tensors (`weights`, transformers names) with each gpt-oss layer's experts in MXFP4 as the
+    published checkpoints store them (rows [E, 2I] interleaved and [E, H], 32-value groups along H and I), and
+    `model`'s experts set to the values they encode (the reference on the dequantized weights)."""
+    weights = dict(weights)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}.mlp.experts."
+            for projection in ("gate_up_proj", "down_proj"):
+                if prefix + projection not in weights:
+                    continue
+                weight = getattr(layer.mlp.experts, projection)
+                blocks, scales, values = quantize_mxfp4(weight.transpose(1, 2))  # [E, out, in]
+                weight.copy_(values.transpose(1, 2))
+                del weights[prefix + projection]
+                weights[prefix + projection + "_blocks"], weights[prefix + projection + "_scales"] = blocks, scales
+    return weights
+
+
+def save_mxfp4_decoder(config, path):
+    """A seeded random gpt-oss saved under `path` with its experts in MXFP4 (quant_method "mxfp4"); returns the
+    transformers model holding the values they encode."""
+    model = save_random_decoder(config, path)
+    checkpoint = os.path.join(path, "model.safetensors")
+    save_file(mxfp4_experts(model, load_file(checkpoint)), checkpoint)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**saved, "quantization_config": {"quant_method": "mxfp4"}}, f)
+    return model

@@ -6,6 +6,7 @@ named."""
 import pytest
 import torch
 from decoder_testing import COMMON, CONFIGS, varlen_metadata
+from gpu_capability import pretend_capability
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -17,6 +18,7 @@ from models.registry import load_model
 from random_decoders import save_fp8_decoder
 
 CPU = torch.device("cpu")
+HOPPER = (9, 0)
 CHECKPOINTS = {  # name: (config, format, block overriding the format's)
     "llama-block": ("llama-gqa", "fp8-block", None),
     "llama-unaligned-blocks": ("llama-gqa", "fp8-block", (48, 32)),  # q|k|v parts straddle blocks
@@ -75,7 +77,7 @@ def test_fp8_gemm_path_keeps_the_weights(gemm_checkpoint, method, monkeypatch):
     a tiny random model; a wrong scale moves them by far more."""
     path, _ = gemm_checkpoint
     dequantized = load_model(str(path), torch.bfloat16, CPU).model
-    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
+    pretend_capability(monkeypatch, HOPPER)
     model = load_model(str(path), torch.bfloat16, CPU, fp8_gemm=method).model
     layers = dict(dequantized.named_modules())
     kept = 0
@@ -97,7 +99,7 @@ def test_fp8_gemm_path_keeps_the_weights(gemm_checkpoint, method, monkeypatch):
 
 
 def test_block_scales_are_compacted_where_rows_share_them(tmp_path, monkeypatch):
-    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
+    pretend_capability(monkeypatch, HOPPER)
     config, fmt, block = GEMM_CHECKPOINTS["llama-wide-block"]
     save_fp8_decoder(config(), tmp_path, fmt, block)
     layer = load_model(str(tmp_path), torch.float32, CPU).model.model.layers[0]
@@ -147,6 +149,7 @@ def test_tensor_parallel_size_that_splits_blocks_is_refused():
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
      r"config_groups.weights = \"type 'int', num_bits 4\""),
+    ({"quant_method": "mxfp4"}, "'mxfp4' is supported for gpt-oss's experts only.*not for model type 'llama'"),
 ])
 def test_unsupported_quantization_is_named(quantization, message):
     config = CONFIGS["llama-gqa"]()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from moe_testing import quantize_mxfp4
 
-from models.mxfp4 import dequantize_mxfp4
+from kernels.mxfp4 import dequantize_mxfp4
 
 
 def test_dequantize_gives_the_quantized_values():
@@ -12,11 +12,11 @@ def test_dequantize_gives_the_quantized_values():
     x = torch.randn(3, 5, 128) * torch.logspace(-3, 2, 5)[None, :, None]  # groups of very different scales
     x[0, 0, :32] = 0.0  # an all-zero group
     blocks, scales, values = quantize_mxfp4(x)
-    out = dequantize_mxfp4(blocks, scales, torch.float32)
+    out = dequantize_mxfp4(blocks.flatten(-2), scales, torch.float32)
     assert out.shape == x.shape
     assert torch.equal(out, values)
     assert (out - x).abs().max() <= x.abs().max() / 6  # really a quantization of x, not something else
-    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16), values.to(torch.bfloat16))
+    assert torch.equal(dequantize_mxfp4(blocks.flatten(-2), scales, torch.bfloat16), values.to(torch.bfloat16))
 
 
 def test_dequantize_matches_transformers():
@@ -24,11 +24,11 @@ def test_dequantize_matches_transformers():
     torch.manual_seed(1)
     blocks, scales, _ = quantize_mxfp4(torch.randn(4, 6, 64))  # [E, rows, K]: gpt-oss's expert layout
     expected = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transposed: [E, K, rows]
-    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), expected.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks.flatten(-2), scales, torch.float32), expected.transpose(1, 2))
 
 
 def test_dequantize_rejects_mismatched_scales():
-    blocks = torch.zeros(2, 4, 16, dtype=torch.uint8)
+    blocks = torch.zeros(2, 64, dtype=torch.uint8)  # four groups' codes a row
     with pytest.raises(ValueError, match="do not fit scales"):
         dequantize_mxfp4(blocks, torch.zeros(2, 3, dtype=torch.uint8), torch.float32)
     with pytest.raises(ValueError, match="must be uint8"):

@@ -12,6 +12,11 @@ Chat (`chat_completions`) picks its behaviour from the request's `model`:
   stall           sends nothing for an hour (its cleanup is recorded like slow's)
   crash           sends one chunk, then the whole process exits with code 3
   features        two choices in the extended payloads of docs/chat-extensions.md (FEATURE_CHUNKS)
+  request         answers with the request's data as JSON text (what a front made of its client's request)
+  stops           echoes the last message's content up to the first of the request's `stop` strings, which ends
+                  the reply with finish_reason "stop" and `stop_sequence` naming it ("length" when none occurs)
+  tool_call       one call of the named tool_choice's function (else the first tool's) whose arguments are the
+                  last message's content, in three deltas (the first with the name); finish_reason "tool_calls"
 `tokenize` maps each character to its code point; `embeddings` returns a 4-float vector per token list.
 `models` answers {"id": "echo-model"}; `stats` answers fixed engine numbers (ECHO_STATS).
 Protocol-test handlers: count, echo, echo_sync, echo_lambda, fail, refuse, teapot, slow, cleanups, big, silent_stream,
@@ -21,6 +26,7 @@ before serving, as a model load would. HFENDPOINT_DRAIN_TIMEOUT sets
 the drain timeout after EOF, as it does for the real handler.
 """
 import asyncio
+import json
 import os
 import re
 import sys
@@ -99,6 +105,10 @@ async def chat_completions(data):
         for chunk in FEATURE_CHUNKS:
             yield chunk
         return
+    if model in ("request", "stops", "tool_call"):
+        for chunk in REPLIES[model](data, last):
+            yield chunk
+        return
     if model == "slow":
         async for i in slow_stream(last, data.get("max_tokens") or 500):
             yield {"content": f"{i} ", "finish_reason": None}
@@ -110,6 +120,36 @@ async def chat_completions(data):
     prompt = sum(len(text_of(m.get("content"))) for m in data["messages"])
     yield {"content": "", "finish_reason": "stop",
            "usage": {"prompt_tokens": prompt, "completion_tokens": len(words), "total_tokens": prompt + len(words)}}
+
+
+def request_reply(data, last):
+    text = json.dumps(data)
+    yield {"content": text, "finish_reason": "stop",
+           "usage": {"prompt_tokens": len(last), "completion_tokens": 1, "total_tokens": len(last) + 1}}
+
+
+def stops_reply(data, last):
+    found = [(last.find(stop), stop) for stop in data.get("stop") or () if stop in last]
+    at, stop = min(found) if found else (len(last), None)
+    yield {"content": last[:at], "finish_reason": None}
+    yield {"content": "", "finish_reason": "stop" if stop else "length", **({"stop_sequence": stop} if stop else {}),
+           "usage": {"prompt_tokens": len(last), "completion_tokens": at, "total_tokens": len(last) + at}}
+
+
+def tool_call_reply(data, last):
+    choice = data.get("tool_choice")
+    name = choice["function"]["name"] if isinstance(choice, dict) else data["tools"][0]["function"]["name"]
+    third = len(last) // 3
+    yield {"content": "", "finish_reason": None, "tool_calls": [
+        {"index": 0, "id": "call_echo", "type": "function", "function": {"name": name, "arguments": last[:third]}}]}
+    yield {"content": "", "finish_reason": None, "tool_calls": [
+        {"index": 0, "function": {"arguments": last[third:2 * third]}}]}
+    yield {"content": "", "finish_reason": "tool_calls", "tool_calls": [
+        {"index": 0, "function": {"arguments": last[2 * third:]}}],
+        "usage": {"prompt_tokens": len(last), "completion_tokens": 3, "total_tokens": len(last) + 3}}
+
+
+REPLIES = {"request": request_reply, "stops": stops_reply, "tool_call": tool_call_reply}
 
 
 @daemon_protocol.handler("tokenize")

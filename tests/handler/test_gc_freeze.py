@@ -1,4 +1,4 @@
-"""The handler freezes what startup left on the heap before it serves (engine/heap.py), so that a full garbage
+"""The handler freezes what startup left on the heap before it serves (engine/gc_freeze.py), so that a full garbage
 collection while serving scans only the objects serving created, not the libraries and the model."""
 import os
 import subprocess

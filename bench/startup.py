@@ -1,0 +1,231 @@
+"""Start-up time: from a fresh process to a ready engine and its first token, with an empty and a warm Triton cache.
+
+    PYTHONPATH=. python3 bench/startup.py                                   # Qwen3-0.6B and -8B shapes, both entries
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm
+    PYTHONPATH=. python3 bench/startup.py --front-cmd "python3 -m daemon_protocol.mock_daemon"
+
+For each model shape (random weights on local disk, bench/random_model.py, served with bench/serve.py's word-level
+tokenizer) and each entry, every case runs in a fresh process:
+
+- entry `engine`: `from engine import LLM`, `LLM(path)`, then one greedy token of a 16-token prompt. Times: imports
+  done, engine ready, first token (the script prints a marker at each; this process clocks it on arrival).
+- entry `front`: the front with the handler behind it, as the container runs them (`FRONT --host 127.0.0.1 --port 0
+  -- python -m handler`, MODEL_ID the model); FRONT is `python -m front` where that package exists, else the older
+  `python -m daemon_protocol.mock_daemon`, or --front-cmd. Times: the handler's "engine ready" start-up line, the
+  first /health 200 (polled every HEALTH_POLL_S), and the first content chunk of a streamed chat completion sent
+  right after.
+
+Cache `empty` points TRITON_CACHE_DIR at a new folder; `warm` then reuses the folder the empty case of the same
+model and entry filled. Every time is in seconds from the moment the process was started.
+Each case also shows the engine's start-up lines (engine/startup_log.py): where its seconds went.
+"""
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serve import chat_body, client_session, served_model_dir, stream_chat
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = ("qwen3-0.6b", "qwen3-8b")
+ENTRIES = ("engine", "front")
+CACHES = ("empty", "warm")
+PROMPT_IDS = list(range(1, 17))
+HEALTH_POLL_S = 0.02
+CASE_TIMEOUT_S = 900.0
+STARTUP_LOGGER = "engine.startup: "
+
+ENGINE_SCRIPT = """
+import logging, sys
+print("started", flush=True)
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+logging.getLogger("engine").setLevel(logging.INFO)
+from engine import LLM, SamplingParams
+print("imports done", flush=True)
+llm = LLM(sys.argv[1])
+print("engine ready", flush=True)
+llm.generate([list(map(int, sys.argv[2].split(",")))], SamplingParams(max_tokens=1, temperature=0))
+print("first token", flush=True)
+"""
+
+
+@dataclass
+class Case:
+    model: str
+    entry: str
+    cache: str
+    marks: dict[str, float] = field(default_factory=dict)  # event -> seconds since the process was started
+    lines: list[str] = field(default_factory=list)  # the start-up lines, as logged
+    kernels: int = 0  # compiled kernels in the Triton cache after the case
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.entry} {self.cache} cache"
+
+
+class Process:
+    """A started process whose output lines are read as they come, each stamped with its arrival time."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(command, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: list[tuple[float, str]] = []
+        self._changed = threading.Condition()
+        self._readers = [threading.Thread(target=self._read, args=(stream,), daemon=True)
+                         for stream in (self.process.stdout, self.process.stderr)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append((time.perf_counter() - self.started, line.rstrip("\n")))
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = CASE_TIMEOUT_S) -> tuple[float, re.Match]:
+        """(seconds since the start, match) of the first line matching pattern; RuntimeError if the process
+        exits or the timeout passes first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for at, line in self.lines:
+                    if found := re.search(pattern, line):
+                        return at, found
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    tail = "\n".join(line for _, line in self.lines[-30:])
+                    raise RuntimeError(f"no line matching {pattern!r} (exit code {self.process.poll()}):\n{tail}")
+                self._changed.wait(0.1)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.started
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for reader in self._readers:
+            reader.join(5)
+
+
+def default_front() -> list[str]:
+    module = "front" if (ROOT / "front" / "__main__.py").is_file() else "daemon_protocol.mock_daemon"
+    return [sys.executable, "-m", module]
+
+
+def run_engine(case: Case, model_dir: Path, env: dict[str, str]) -> Process:
+    process = Process([sys.executable, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS))], env)
+    for mark in ("imports done", "engine ready", "first token"):
+        case.marks[mark] = process.wait_for(f"^{mark}$")[0]
+    return process
+
+
+def run_front(case: Case, model_dir: Path, env: dict[str, str], front: list[str]) -> Process:
+    env = {**env, "MODEL_ID": str(model_dir), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent"}
+    process = Process([*front, "--host", "127.0.0.1", "--port", "0", "--", sys.executable, "-m", "handler"], env)
+    case.marks["front listening"], found = process.wait_for(r"listening on (http://\S+)", 120)
+    url = found.group(1)
+    asyncio.run(first_token_through(case, process, url))
+    case.marks["engine ready"] = process.wait_for(STARTUP_LOGGER + "engine ready at")[0]
+    return process
+
+
+async def first_token_through(case: Case, process: Process, url: str) -> None:
+    """Polls /health until 200, then streams one chat completion of one token."""
+    async with client_session() as session:
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while True:
+            if process.process.poll() is not None:
+                process.wait_for(r"^(?!)")  # raises with the output's tail
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"/health is not 200 after {CASE_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(HEALTH_POLL_S)
+        case.marks["health 200"] = process.now()
+        result = await stream_chat(session, url, chat_body(PROMPT_IDS, 1, 0.0), 1)
+        case.marks["first token"] = result.chunk_times[0] - process.started
+
+
+def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str]) -> None:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    print(f"--- {case.label}", flush=True)
+    process = None
+    try:
+        process = (run_engine(case, model_dir, env) if case.entry == "engine"
+                   else run_front(case, model_dir, env, front))
+    finally:
+        if process:
+            process.stop()
+            case.lines = [line[line.index(STARTUP_LOGGER):] for _, line in process.lines if STARTUP_LOGGER in line]
+    case.kernels = sum(1 for path in cache_dir.rglob("*.cubin"))
+    for line in case.lines:
+        print(f"    {line}")
+    print("    " + ", ".join(f"{mark} {seconds:.2f}" for mark, seconds in case.marks.items()), flush=True)
+
+
+def random_model(name: str) -> Path:
+    """Random bf16 weights of the shape, written once (bench/random_model.py) in a process of their own, which
+    frees the GPU when it ends."""
+    out = subprocess.run([sys.executable, str(HERE / "random_model.py"), name], check=True, cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def table(cases: list[Case]) -> str:
+    marks = ("imports done", "engine ready", "health 200", "first token")
+    rows = [f"{'model':<11} {'entry':<7} {'cache':<6} " + " ".join(f"{mark:>13}" for mark in marks) + "  kernels"]
+    for case in cases:
+        cells = " ".join(f"{case.marks[mark]:>13.2f}" if mark in case.marks else f"{'-':>13}" for mark in marks)
+        rows.append(f"{case.model:<11} {case.entry:<7} {case.cache:<6} {cells}  {case.kernels:>7}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help="configs under bench/models")
+    ap.add_argument("--entries", nargs="+", default=list(ENTRIES), choices=ENTRIES)
+    ap.add_argument("--no-warm", dest="warm", action="store_false", help="only the empty-cache cases")
+    ap.add_argument("--front-cmd", help="the front's command before its arguments (default: python -m front where "
+                                        "it exists, else python -m daemon_protocol.mock_daemon)")
+    ap.add_argument("--cache-root", default=None, help="where the Triton cache folders go (default: a new temp dir)")
+    ap.add_argument("--json", help="write every case's marks and start-up lines here")
+    args = ap.parse_args()
+    front = shlex.split(args.front_cmd) if args.front_cmd else default_front()
+    cache_root = Path(args.cache_root or tempfile.mkdtemp(prefix="startup-triton-"))
+    cases = []
+    with tempfile.TemporaryDirectory() as served_root:
+        for model in args.models:
+            model_dir = served_model_dir(random_model(model), Path(served_root))
+            for entry in args.entries:
+                cache_dir = cache_root / f"{model}-{entry}-{time.time_ns()}"
+                cache_dir.mkdir(parents=True)
+                for cache in CACHES[:1 + args.warm]:  # empty first: warm reuses what it filled
+                    cases.append(Case(model, entry, cache))
+                    run_case(cases[-1], model_dir, cache_dir, front)
+    print(table(cases))
+    if args.json:
+        Path(args.json).write_text(json.dumps([case.__dict__ for case in cases], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Images in prompts: where each image's soft tokens sit, what a step needs to compute them, and the rules that
+keep results exact with them.
+
+A prompt holds the model's image token once per soft token of each image, in runs (one run per image, in the
+order of the images). The encoder runs once per request, at the first step that computes part of an image;
+its soft tokens replace those rows' token embeddings, and the rows of one image attend to each other both ways
+(AttentionMetadata.image_spans). So that this needs no more than one step:
+- a prefill chunk never ends inside an image (fit_chunk): it stops before the image, or takes all of its rest;
+- a full KV block's prefix-cache hash covers the content of every image that has a token in it or before it
+  (image_keys), since those keys depend on the whole image: two prompts with equal tokens and different
+  images never share blocks from the first image on.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class PromptImage:
+    """One image of a prompt: its preprocessed pixels [C, H, W] (the model's image processor's output) and a
+    hash of them. The engine places it (offset, length: its run of image tokens) and computes its soft tokens
+    once (embeds [length, hidden]), dropping the pixels then."""
+
+    pixel_values: Tensor | None
+    key: int
+    offset: int = 0
+    length: int = 0
+    embeds: Tensor | None = None
+
+    @classmethod
+    def of_pixels(cls, pixel_values: Tensor) -> "PromptImage":
+        pixels = pixel_values.contiguous()
+        return cls(pixels, xxhash.xxh3_64_intdigest(pixels.numpy().tobytes()))
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def place_images(token_ids: list[int], images: list[PromptImage], image_token_id: int, tokens_per_image: int
+                 ) -> None:
+    """Sets each image's span from the runs of image_token_id in the prompt; ValueError when the runs do not
+    match the images one to one, each tokens_per_image long."""
+    ids = np.asarray(token_ids)
+    is_image = np.concatenate(([False], ids == image_token_id, [False]))
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    if len(runs) != len(images):
+        raise ValueError(f"the prompt has {len(runs)} runs of the image token (id {image_token_id}) but "
+                         f"{len(images)} images came with it: each image needs one run")
+    for i, ((start, end), image) in enumerate(zip(runs, images)):
+        if end - start != tokens_per_image:
+            raise ValueError(f"image {i}'s run of image tokens is {end - start} long; the model reads "
+                             f"{tokens_per_image} soft tokens per image")
+        image.offset, image.length = start, end - start
+
+
+def fit_chunk(images: list[PromptImage], start: int, n: int) -> int:
+    """How many of the n tokens from start a step may compute: n, or fewer so as to stop before an image the
+    chunk would end inside; 0 when the chunk starts inside or at an image whose rest does not fit in n."""
+    end = start + n
+    for image in images:
+        if image.offset < end < image.end:
+            return image.offset - start if image.offset > start else 0
+    return n
+
+
+def image_keys(images: list[PromptImage], block_end: int) -> list[int]:
+    """The keys of the images with a token before block_end, for a block's hash (its chain covers the earlier
+    blocks' images already, but the first block an image touches must name it, and each later one too: an image's
+    keys read the whole image)."""
+    return [image.key for image in images if image.offset < block_end]
+
+
+@dataclass
+class StepImages:
+    """What a step's forward needs for its image tokens: their rows among the step's tokens and soft tokens
+    (the model's image_embeds), and each row's span of key positions (AttentionMetadata.image_spans)."""
+
+    rows: Tensor
+    embeds: Tensor
+    spans: Tensor
+
+
+def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> StepImages | None:
+    """The image rows of a step whose sequences compute num_tokens tokens from starts; runs the encoder, in one
+    batch, for the images that first appear. None when the step has no image token."""
+    parts = []  # (image, first row of the step, first token of the image, count)
+    row = 0
+    for seq, start, n in zip(seqs, starts, num_tokens):
+        for image in seq.images:
+            low, high = max(image.offset, start), min(image.end, start + n)
+            if low < high:
+                parts.append((image, row + low - start, low - image.offset, high - low))
+        row += n
+    if not parts:
+        return None
+    encode_images(list(dict.fromkeys(image for image, *_ in parts if image.embeds is None)), encoder)
+    rows = torch.cat([torch.arange(first, first + count) for _, first, _, count in parts])
+    embeds = torch.cat([image.embeds[skip:skip + count] for image, _, skip, count in parts])
+    spans = torch.zeros(row, 2, dtype=torch.int64)
+    for image, first, _, count in parts:
+        spans[first:first + count] = torch.tensor([image.offset, image.end])
+    device = embeds.device
+    return StepImages(rows.to(device), embeds, spans.to(device))
+
+
+@torch.inference_mode()
+def encode_images(images: list[PromptImage], encoder) -> None:
+    """Soft tokens for each image, in one batch through the encoder; the pixels are dropped once they have them."""
+    if not images:
+        return
+    weight = next(encoder.parameters())
+    pixels = torch.stack([image.pixel_values for image in images]).to(weight.device, weight.dtype)
+    for image, embeds in zip(images, encoder(pixels)):
+        image.embeds, image.pixel_values = embeds, None

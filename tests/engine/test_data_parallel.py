@@ -1,0 +1,122 @@
+"""Data parallelism (engine/data_parallel.py): two engines, one of them a spawned process, answering
+concurrent requests as transformers does, routed by prefix and load; GPU assignment; a lost engine."""
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.data_parallel import DataParallelWorker, engine_devices
+
+NEW = 12
+
+
+async def collect(queue):
+    tokens = []
+    while True:
+        item = await queue.get()
+        tokens += item.new_token_ids
+        if item.finish_reason:
+            return tokens, item
+
+
+@pytest.fixture
+def two_engines(tiny_llama):
+    lost = []
+    worker = DataParallelWorker(EngineConfig(tiny_llama.path, device="cpu", data_parallel_size=2), lost.append)
+    worker.lost = lost
+    yield worker
+    worker.shutdown()
+
+
+def test_two_engines_answer_concurrent_requests_as_transformers(two_engines, tiny_llama, prompts_of_lengths):
+    worker = two_engines
+    first, *others = prompts_of_lengths([40, 9, 23, 17, 31, 5, 12])
+    follow_up = first + prompts_of_lengths([6], seed=2)[0]  # the first prompt's blocks, then more
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    async def main():
+        tokens, _ = await collect(worker.submit("first", first, params))
+        engines = {"first": worker.engine_of("first")}
+        assert engines["first"] is None  # finished: no longer in flight
+        queues = {"follow-up": worker.submit("follow-up", follow_up, params)}
+        queues.update({f"other-{i}": worker.submit(f"other-{i}", p, params) for i, p in enumerate(others)})
+        engines = {request_id: worker.engine_of(request_id) for request_id in queues}
+        results = dict(zip(queues, await asyncio.gather(*(collect(q) for q in queues.values()))))
+        return tokens, engines, results
+
+    first_tokens, engines, results = asyncio.run(main())
+    assert first_tokens == tiny_llama.greedy(first, NEW)
+    for request_id, prompt in [("follow-up", follow_up), *((f"other-{i}", p) for i, p in enumerate(others))]:
+        tokens, last = results[request_id]
+        assert tokens == tiny_llama.greedy(prompt, NEW), request_id
+        assert last.finish_reason == "length" and last.num_prompt_tokens == len(prompt)
+    assert engines["follow-up"] == 0  # where the first prompt went (both idle: the first engine) and is cached
+    assert results["follow-up"][1].num_cached_tokens >= 32  # its two full blocks of 16, from that engine's cache
+    assert set(engines.values()) == {0, 1}  # the others were spread by load
+    stats = worker.stats()
+    assert len(stats["engines"]) == 2
+    assert stats["num_total_blocks"] == sum(engine["num_total_blocks"] for engine in stats["engines"])
+
+
+def test_choices_of_one_completion_share_their_engine(two_engines, prompts_of_lengths):
+    worker = two_engines
+    busy, prompt = prompts_of_lengths([30, 40])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    async def main():
+        queues = [worker.submit("busy", busy, params), worker.submit("c/0", prompt, params)]
+        queues.append(worker.submit("c/1", prompt, params, shares_prompt_with="c/0"))
+        engines = [worker.engine_of(request_id) for request_id in ("busy", "c/0", "c/1")]
+        return engines, await asyncio.gather(*(collect(q) for q in queues))
+
+    (busy_engine, first_choice, second_choice), results = asyncio.run(main())
+    assert first_choice != busy_engine  # the least loaded
+    assert second_choice == first_choice  # not the least loaded any more, but where its prompt is
+    assert results[2][1].num_cached_tokens == 32  # the first choice's two full prompt blocks, shared there
+
+
+def test_a_lost_engine_fails_its_requests_and_tells_the_handler(two_engines, prompts_of_lengths):
+    worker = two_engines
+    remote = worker.remotes[0]
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        queues = [worker.submit(i, prompt, params) for i, prompt in enumerate(prompts_of_lengths([8, 9]))]
+        on_remote = next(q for i, q in enumerate(queues) if worker.engine_of(i) == 1)
+        remote.process.kill()
+        return await collect(on_remote)
+
+    _, last = asyncio.run(main())
+    assert last.finish_reason == "error" and "data-parallel engine 1 exited" in last.error
+    assert worker.lost and worker.unavailable
+    with pytest.raises(RuntimeError, match="data-parallel engine 1 exited"):
+        worker.submit("late", [1, 2, 3], params)
+
+
+def test_each_engine_gets_its_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    config = EngineConfig("unused", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
+    assert engine_devices(config) == [None, "6,7"]  # engine 0 in the handler's process takes 4 and 5
+    assert engine_devices(EngineConfig("unused", device="cpu", data_parallel_size=3)) == [None] * 3
+    with pytest.raises(ValueError, match="needs 6 GPUs but 4 are visible"):
+        engine_devices(EngineConfig("unused", device="cuda", data_parallel_size=3, tensor_parallel_size=2))
+
+
+@pytest.mark.slow  # four processes: two engines of two tensor-parallel ranks each
+def test_data_parallel_engines_of_tensor_parallel_ranks(tiny_llama, prompts_of_lengths):
+    worker = DataParallelWorker(EngineConfig(tiny_llama.path, device="cpu", data_parallel_size=2,
+                                             tensor_parallel_size=2))
+    prompts = prompts_of_lengths([7, 26, 15, 3])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    async def main():
+        queues = [worker.submit(i, prompt, params) for i, prompt in enumerate(prompts)]
+        engines = {worker.engine_of(i) for i in range(len(prompts))}
+        return engines, await asyncio.gather(*(collect(q) for q in queues))
+
+    try:
+        engines, results = asyncio.run(main())
+    finally:
+        worker.shutdown()
+    assert engines == {0, 1}
+    assert [tokens for tokens, _ in results] == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]

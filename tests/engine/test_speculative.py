@@ -1,0 +1,335 @@
+"""Speculative decoding: a verification step scores a request's draft tokens with its last token, and the
+sampler keeps what the model itself would have produced.
+
+Greedy outputs with drafts equal those without, token for token, on plain, chunked, preempting, overlapped and
+grammar-constrained engines, with stop tokens and max_tokens cutting drafts short. Random weights copy little,
+so besides the real drafters on prompts that repeat, a drafter proposes the model's own greedy continuation
+with one token in two drafts corrupted: many tokens accepted, many rejected. Taking one token too many
+(a rejected draft token, or the token after an accepted run) changes the outputs; counting a rejected draft
+token as computed breaks the KV cache and leaks blocks. The rejection rule's output distribution is the
+model's, by a chi-square test on a tiny vocabulary."""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import xgrammar
+from test_constraints import SCHEMA, tiny_vocabulary
+from test_graph_padding import with_eager_graphs
+
+from engine import LLM, EngineConfig, SamplingParams, Worker
+from engine.config import parse_speculative
+from engine.cuda_graphs import CudaGraphs, GraphShape
+from engine.drafters import NgramDrafter, SuffixDrafter
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+from engine.speculation import ModeRecord, Speculator
+from handler.grammar import GrammarConstraint
+from handler.logs import speculation_summary
+from random_decoders import TINY
+from speculative_testing import CorruptedOracle
+
+NEW = 32
+VOCAB = TINY["vocab_size"]
+CHI_SQUARE_AT_ONE_IN_A_THOUSAND = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # by degrees of freedom
+
+
+def speculating(llm, drafter=None, overlap=False):
+    """Turns speculation on for every step (no back-off) with the given drafter; checks after every step that
+    no request holds blocks past its computed tokens and the one it computes next."""
+    core = llm.core
+    core.overlap = overlap
+    core.speculator.adaptive = False
+    if drafter is not None:
+        core.speculator.drafter = drafter
+    step = core.step
+
+    def checked():
+        results = step()
+        for seq in core.scheduler.running:
+            needed = -(-(seq.num_computed_tokens + 1) // core.block_manager.block_size)
+            assert len(seq.block_table) <= needed, "blocks of rejected drafts were not given back"
+        return results
+
+    core.step = checked
+    return llm
+
+
+def verification_kinds(llm) -> list[bool]:
+    """Records, per verification step, whether it was staged as decode rows (one per token) or, mixed with
+    prompt chunks, as a prefill step."""
+    kinds, verifies_as_rows = [], llm.core.runner.buffers.verifies_as_rows
+
+    def recording(seqs, num_tokens):
+        as_rows = verifies_as_rows(seqs, num_tokens)
+        if any(seq.draft_token_ids for seq in seqs):
+            kinds.append(as_rows)
+        return as_rows
+
+    llm.core.runner.buffers.verifies_as_rows = recording
+    return kinds
+
+
+def outputs(llm, prompts, params, constraints=None):
+    return [out["token_ids"] for out in llm.generate(prompts, params, constraints=constraints)]
+
+
+def assert_all_blocks_free(llm):
+    stats = llm.core.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and not stats["running"] and not stats["waiting"]
+
+
+def staggered(references: list[list[int]]) -> list[SamplingParams]:
+    """Greedy requests ending at different tokens: their own output's tokens as stop tokens, or max_tokens."""
+    return [SamplingParams(temperature=0, max_tokens=[NEW, 1, 9, NEW][i % 4],
+                           stop_token_ids=[reference[6 + 3 * i]] if i % 3 == 1 else [])
+            for i, reference in enumerate(references)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    pieces = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 7, 11, 30, 3, 19)]
+    return [piece * (1 + 24 // len(piece)) for piece in pieces]  # repeats, for the real drafters to find
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama, prompts):
+    llm = LLM(tiny_llama.path, dtype="float32")
+    references = outputs(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    params = staggered(references)
+    return references, params, outputs(llm, prompts, params)
+
+
+ENGINES = {"plain": {}, "chunked": {"max_num_batched_tokens": 16}, "preempting": {"num_kv_blocks": 5}}
+
+
+@pytest.mark.parametrize("engine, overlap", [("plain", False), ("plain", True), ("chunked", True),
+                                             ("preempting", False)])
+def test_greedy_outputs_with_corrupted_oracle_drafts_equal_those_without(tiny_llama, prompts, plain, engine,
+                                                                           overlap):
+    references, params, expected = plain
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=5", **ENGINES[engine]),
+                      CorruptedOracle(references, VOCAB), overlap)
+    kinds = verification_kinds(llm)
+    assert outputs(llm, prompts, params) == expected
+    assert True in kinds and (False in kinds or engine != "chunked"), "both ways of staging a verification"
+    stats = llm.core.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"], "accepted and rejected drafts"
+    if engine == "preempting":
+        assert llm.core.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
+    if engine == "plain" and not overlap:
+        assert outputs(llm, prompts, params) == expected, "again, the prompts from the prefix cache"
+        assert llm.core.block_manager.num_hit_tokens > 0
+        assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def long_outputs(tiny_llama, prompts):
+    """Long greedy outputs, in which the tiny model repeats itself now and then (n-gram drafts)."""
+    params = SamplingParams(temperature=0, max_tokens=2 * NEW)
+    return params, outputs(LLM(tiny_llama.path, dtype="float32"), prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_outputs_with_each_drafter_equal_those_without(tiny_llama, prompts, long_outputs, method):
+    params, expected = long_outputs
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative=f"{method}:k=3", max_num_batched_tokens=32))
+    assert outputs(llm, prompts, params) == expected
+    first = llm.core.stats()
+    assert first["spec_drafted_tokens"] > 0
+    if method == "suffix":  # it has seen these outputs: the second run's drafts are them
+        assert outputs(llm, prompts, params) == expected
+        assert llm.core.stats()["spec_accepted_tokens"] - first["spec_accepted_tokens"] > 2 * NEW
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_logprobs_with_drafts_equal_those_without(tiny_llama, prompts, plain):
+    references = plain[0]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    expected = LLM(tiny_llama.path, dtype="float32").generate(prompts[:3], params)
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram"), CorruptedOracle(references, VOCAB))
+    got = llm.generate(prompts[:3], params)
+    assert llm.core.stats()["spec_accepted_tokens"] > 0
+    for want, have in zip(expected, got):
+        assert have["token_ids"] == want["token_ids"]
+        for (logprob, ids, top), (logprob_want, ids_want, top_want) in zip(have["logprobs"], want["logprobs"]):
+            assert ids == ids_want
+            assert logprob == pytest.approx(logprob_want, abs=1e-4)
+            assert top == pytest.approx(top_want, abs=1e-4)
+
+
+def test_grammar_constrained_greedy_outputs_with_drafts_equal_those_without(tiny_llama, prompts):
+    """The grammar judges draft tokens: drafts it rejects are cut, and each verified row is masked by the
+    grammar's state after the draft tokens before it. Drafts of the constrained continuation (accepted) and of
+    the unconstrained one (mostly outside the grammar) both leave the outputs unchanged."""
+    info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[0])
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    params = SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[0])
+    plain_llm = LLM(tiny_llama.path, dtype="float32")
+    expected = outputs(plain_llm, prompts, params, [GrammarConstraint(grammar) for _ in prompts])
+    free = outputs(plain_llm, prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    assert expected != free
+    for continuations in (expected, free):
+        llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=4"),
+                          CorruptedOracle(continuations, VOCAB))
+        assert outputs(llm, prompts, params, [GrammarConstraint(grammar) for _ in prompts]) == expected
+        assert_all_blocks_free(llm)
+        if continuations is expected:
+            assert llm.core.stats()["spec_accepted_tokens"] > 0
+
+
+def rejection_sample(logits: torch.Tensor, draft: int, params: SamplingParams, rows: int) -> np.ndarray:
+    """The token each of `rows` identical rows takes under the rejection rule: the draft token where accepted,
+    else the row's drawn token."""
+    torch.manual_seed(3)  # the acceptance draws
+    sampler = Sampler(torch.device("cpu"), seed=3)  # the Gumbel noise
+    seqs = [Sequence(0, [1], params, 64)] * rows
+    values = sampler.verify(logits.expand(rows, -1).clone(), seqs, np.full(rows, draft, dtype=np.int64))[0]
+    drawn, accepted = values[:rows], values[rows:].bool()
+    return torch.where(accepted, draft, drawn).numpy()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+@pytest.mark.parametrize("draft", [2, 3])  # the likeliest token; an unlikely one, outside the top k
+def test_rejection_sampling_draws_the_models_distribution(params, draft):
+    logits = torch.tensor([[1.0, 0.2, 2.0, -0.5, 0.7, 1.5]])
+    rows = 20000
+    taken = rejection_sample(logits, draft, params, rows)
+    sampler = Sampler(torch.device("cpu"))
+    plan = sampler.plan_for([Sequence(0, [1], params, 64)])
+    kept = logits.masked_fill(Sampler.dropped(logits, plan), float("-inf")) if plan.uses_masks else logits
+    target = torch.softmax(kept / params.temperature, dim=-1)[0].numpy()
+    counts = np.bincount(taken, minlength=logits.shape[1])
+    support = target > 0
+    assert counts[~support].sum() == 0, "a token outside top-k/top-p was taken"
+    expected = target[support] * rows
+    chi_square = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi_square < CHI_SQUARE_AT_ONE_IN_A_THOUSAND[int(support.sum()) - 1]
+
+
+def test_a_greedy_row_accepts_exactly_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.5], [0.1, 3.0, 0.5]])
+    seqs = [Sequence(0, [1], SamplingParams(temperature=0), 64)] * 2
+    values = Sampler(torch.device("cpu")).verify(logits, seqs, np.array([1, 2]))[0].tolist()
+    assert values == [1, 1, 1, 0]  # drawn: the argmax; accepted: the argmax only
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    seq = Sequence(0, [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 6, 7], SamplingParams(), 64)
+    assert NgramDrafter().propose(seq, 3) == [3, 4, 6]
+    seq.token_ids += [3]
+    assert NgramDrafter().propose(seq, 2) == [4, 6]
+    assert NgramDrafter().propose(Sequence(1, [1, 2, 3, 4], SamplingParams(), 64), 3) == []
+
+
+def test_suffix_drafter_follows_the_most_frequent_continuation_across_requests():
+    drafter = SuffixDrafter(depth=4)
+    drafter.propose(Sequence(0, [1, 2, 3, 4, 5, 9, 9], SamplingParams(), 64), 1)
+    drafter.propose(Sequence(1, [7, 2, 3, 4, 5, 6, 8], SamplingParams(), 64), 1)
+    drafter.propose(Sequence(2, [8, 3, 4, 5, 6, 1], SamplingParams(), 64), 1)
+    assert drafter.propose(Sequence(3, [0, 0, 3, 4], SamplingParams(), 64), 3) == [5, 6, 8]
+
+
+@pytest.mark.parametrize("raw, parsed", [("off", ("off", 0)), ("ngram", ("ngram", 4)), ("suffix:k=7", ("suffix", 7)),
+                                         (" NGRAM:k=2 ", ("ngram", 2))])
+def test_speculative_setting_parses(raw, parsed):
+    assert parse_speculative(raw) == parsed
+
+
+@pytest.mark.parametrize("raw", ["eagle", "ngram:k=0", "ngram:k=99", "ngram:n=3", "off:k=2", "ngram:k="])
+def test_a_bad_speculative_setting_names_the_variable(raw):
+    with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE.*off, ngram or suffix"):
+        EngineConfig.from_env("model", {"HFENDPOINT_SPECULATIVE": raw})
+
+
+def test_the_worker_streams_every_verified_token_with_its_logprobs(tiny_llama, prompts, plain):
+    references = plain[0]
+    worker = Worker(EngineConfig(tiny_llama.path, device="cpu", speculative="ngram:k=4"))
+    try:
+        speculating(worker, CorruptedOracle(references, VOCAB))
+        params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=1)
+
+        async def collect(queue):
+            items = []
+            while not (items and items[-1].finish_reason):
+                items.append(await queue.get())
+            return items
+
+        async def main():
+            queues = [worker.submit(i, prompt, params) for i, prompt in enumerate(prompts[:3])]
+            return await asyncio.gather(*(collect(queue) for queue in queues))
+
+        for reference, items in zip(references, asyncio.run(main())):
+            tokens = [token for item in items for token in item.new_token_ids]
+            assert tokens == reference
+            assert [top[0] for item in items for _, top, _ in item.logprobs] == reference
+            assert max(len(item.new_token_ids) for item in items) > 1, "a step delivered several tokens"
+        assert worker.stats()["spec_accepted_tokens"] > 0
+    finally:
+        worker.shutdown()
+
+
+def test_verification_steps_replay_the_graphs_of_their_padded_shapes(tiny_llama, prompts, plain):
+    """On the CPU, stand-in graphs run the forward on the padded buffers a GPU graph replays: verifications
+    as decode rows pad to the decode graph of their token count, mixed ones to a prefill graph."""
+    references, params, expected = plain
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=5", max_num_seqs=8,
+                          max_num_batched_tokens=40), CorruptedOracle(references, VOCAB))
+    graphs = with_eager_graphs(llm)
+    kinds = verification_kinds(llm)
+    assert outputs(llm, prompts, params) == expected
+    assert True in kinds
+    assert any(graph.replays for shape, graph in graphs.items() if shape.is_decode and shape.num_tokens > 1)
+    assert_all_blocks_free(llm)
+    graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32))
+    graphs.captured = dict.fromkeys(graphs.shapes())
+    assert graphs.shape_for([3, 4], as_rows=True) == GraphShape(8, 8, is_decode=True)
+    assert graphs.shape_for([3, 4]) == GraphShape(16, 32, is_decode=False)
+
+
+def test_the_engine_line_reports_acceptance_only_while_speculating():
+    assert speculation_summary({"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}) == ""
+    assert speculation_summary({"spec_drafted_tokens": 40, "spec_accepted_tokens": 30}) == (
+        ", draft tokens accepted 30/40 (75%)")
+
+
+def test_back_off_runs_the_faster_mode_and_retries_the_slower_less_and_less():
+    record = ModeRecord()
+    assert record.choose() is True  # drafting is measured first
+    record.record(True, 100.0)
+    assert record.choose() is False  # then plain steps
+    record.record(False, 300.0)
+    choices = [record.choose() for _ in range(2000)]
+    assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on retries"
+    retries = [i for i, drafting in enumerate(choices) if drafting and not choices[i - 1]]
+    gaps = [later - earlier for earlier, later in zip(retries, retries[1:])]
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    record.record(True, 1000.0)
+    assert record.choose() is True, "once drafting measures faster, it runs"
+
+
+def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
+    speculator = Speculator("ngram", 4, max_rows=4)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0), 64) for i in range(4)]
+    for seq in seqs:
+        seq.num_computed_tokens = 2
+    assert not speculator.decide(seqs), "no row is left for a draft token"
+    assert speculator.decide(seqs[:2])
+    for seq in seqs[:2]:
+        seq.acceptance = 0.01
+    assert not speculator.decide(seqs[:2]), "drafts that are almost never accepted"
+
+
+def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
+    """Rows of a verification read only their own window; blocks behind the window of the first token left
+    to compute are freed after the rollback, never one a later row still reads."""
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+    expected = outputs(LLM(tiny_mistral.path, dtype="float32"), prompts, params)
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", speculative="ngram:k=6"),
+                      CorruptedOracle(expected, VOCAB))
+    assert outputs(llm, prompts, params) == expected
+    assert llm.core.stats()["spec_accepted_tokens"] > 0
+    assert_all_blocks_free(llm)

@@ -1,0 +1,52 @@
+"""With flash-attn installed, a decode step over a cache flash-attn cannot read (the default blocks of 16 tokens,
+FP8) still runs the fused prologue kernel; one over a cache it reads runs the prologue, then flash-attn. The
+backend's kernels are recorders here: what is checked is which of them a step launches."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_testing import cos_sin_cache, paged_batch
+
+import kernels
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def recording_backends():
+    launched = []
+
+    def record(name, result=None):
+        def kernel(*args, **kwargs):
+            launched.append(name)
+            return result(*args) if result else None
+        return kernel
+
+    triton = SimpleNamespace(
+        paged_attention=record("triton attention", lambda q, *_: q), varlen_attention=record("triton varlen"),
+        fused_decode=record("fused prologue and attention", lambda qkv, *_: qkv),
+        decodes_apart=lambda *args: False,  # the Gluon kernel's share: none at this batch size
+        qkv_prologue=record("prologue", lambda qkv, *_: (qkv[:, :NUM_Q_HEADS * HEAD_DIM].unflatten(1, (
+            NUM_Q_HEADS, HEAD_DIM)), None, None)))
+    flash_attn = SimpleNamespace(flash_attn_with_kvcache=record("flash-attn decode", lambda q, *_: q),
+                                 flash_attn_varlen_func=record("flash-attn varlen"), __version__="stand-in")
+    return kernels._with_flash_attn(triton, flash_attn), launched
+
+
+@pytest.mark.parametrize("block_size, dtype, expected", [
+    (16, torch.float32, ["fused prologue and attention"]),
+    (256, kernels.FP8_KV_CACHE_DTYPE, ["fused prologue and attention"]),
+    (256, torch.float32, ["prologue", "flash-attn decode"]),
+])
+def test_flash_attn_takes_only_the_decode_steps_it_can_read(monkeypatch, block_size, dtype, expected):
+    backend, launched = recording_backends()
+    monkeypatch.setattr(kernels, "_backend", lambda device_type: backend)
+    _, k_cache, v_cache, meta = paged_batch([1, 1], [5, 9], NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size,
+                                            torch.float32)
+    scales = {}
+    if dtype == kernels.FP8_KV_CACHE_DTYPE:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+        scales = {"k_scale": torch.ones(NUM_KV_HEADS), "v_scale": torch.ones(NUM_KV_HEADS)}
+    qkv = torch.randn(2, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    kernels.qkv_paged_attention(qkv, meta.seq_lens.long() - 1, cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS,
+                                NUM_KV_HEADS, None, None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5, **scales)
+    assert launched == expected
