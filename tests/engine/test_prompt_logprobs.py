@@ -1,12 +1,15 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) equal transformers' log-softmax of its logits at the position
-before each prompt token, whole prompts, chunked prefill, a prompt whose blocks are in the prefix cache, and
-preemption alike; requests that do not ask get none and keep their prefix-cache hits."""
+before each prompt token, whole prompts, chunked prefill, a prompt whose blocks are in the prefix cache,
+preemption and prompt chunks in steps that verify other requests' draft tokens alike; requests that do not ask
+get none and keep their prefix-cache hits."""
 import math
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from random_decoders import TINY
+from speculative_testing import CorruptedOracle
 
 TOP = 3
 
@@ -34,17 +37,21 @@ ASKING = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP)
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 7,
-                                                                          "max_num_batched_tokens": 24}],
-                         ids=["whole", "chunked", "preempted"])
+                                                                          "max_num_batched_tokens": 24},
+                                      {"speculative": "ngram:k=3", "max_num_batched_tokens": 32}],
+                         ids=["whole", "chunked", "preempted", "beside-verification"])
 def test_prompt_logprobs_equal_transformers(tiny_llama, prompts_of_lengths, settings):
     prompts = prompts_of_lengths([2, 17, 40, 50], seed=4)
-    llm = LLM(tiny_llama.path, dtype="float32", **settings)
     new = 24  # with 7 blocks (112 slots) the batch does not fit: requests are preempted, some mid-prompt
+    greedy = [tiny_llama.greedy(prompt, new) for prompt in prompts]
+    llm = LLM(tiny_llama.path, dtype="float32", **settings)
+    if "speculative" in settings:  # every decoding request verifies drafts while the others' prompts are chunked
+        llm.core.speculator.adaptive = False
+        llm.core.speculator.drafter = CorruptedOracle(greedy, TINY["vocab_size"])
     asking, plain = (SamplingParams(temperature=0, max_tokens=new, prompt_logprobs=TOP),
                      SamplingParams(temperature=0, max_tokens=new))
     outputs = llm.generate(prompts, [asking, plain, asking, asking])
-    for prompt, out in zip(prompts, outputs):
-        assert out["token_ids"] == tiny_llama.greedy(prompt, new)
+    assert [out["token_ids"] for out in outputs] == greedy
     assert outputs[1]["prompt_logprobs"] is None
     for i in (0, 2, 3):
         assert_entries_match(outputs[i]["prompt_logprobs"], reference(tiny_llama, prompts[i]))
