@@ -1,6 +1,7 @@
 """A bounded hardening campaign against `python -m handler` serving SmolLM2 on CPU, with a small KV pool.
 
-    python bench/campaign.py [--kv-blocks 48] [--streams 90] [--phases http,frames,storm,hostage,faults]
+    python bench/campaign.py [--kv-blocks 48] [--streams 90] [--soak 600]
+                             [--phases http,attack,soak,frames,storm,hostage,faults]
 
 Phases:
 - http: bad HTTP inputs through our front (wrong types, NaN, huge numbers, deep nesting, bad encodings,
@@ -12,6 +13,12 @@ Phases:
   whose text must equal their answers when alone;
 - hostage: a looping template and a 21 MB prompt beside a normal request (refused, and with templates trusted,
   the normal request still answered);
+- attack: issue 41's hostile inputs on every field and route (huge stop strings, schemas nothing satisfies or
+  that compile for minutes, deep tool-call arguments, logit_bias junk, huge n/top_logprobs/tools, a 5 MB
+  embeddings text, auth on /metrics), each a 4xx naming its field, with the handler's RSS before and after;
+  then four slow compiles and a long embeddings call beside a chat, whose time to first token must stay short;
+- soak: --soak streams over several minutes, at most 24 at once, a third disconnecting mid-stream, mixed with
+  structured outputs and n > 1, ending with every KV block free and the RSS growth stated;
 - faults: SIGSTOP/SIGCONT of the handler mid-stream, SIGTERM to our front mid-stream (every stream ends
   with its finish_reason and [DONE], both processes exit 0), SIGKILL of the handler mid-stream.
 
@@ -63,6 +70,7 @@ class Tally:
     accepted: list[str] = field(default_factory=list)  # bad inputs answered 200
     notes: list[str] = field(default_factory=list)
     leaked: int | None = None
+    rss_growth: int = 0  # the largest growth of the handler's RSS over one case, bytes
 
     def fail(self, case: str, why: str) -> None:
         self.failures.append(f"{case}: {why}")
@@ -71,7 +79,7 @@ class Tally:
 def handler_env(kv_blocks: int, **extra) -> dict:
     return {**os.environ, "MODEL_ID": packaged_model_path(), "HFENDPOINT_DEVICE": "cpu",
             "HFENDPOINT_NUM_KV_BLOCKS": str(kv_blocks), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
-            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, **extra}
+            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS": "512", **extra}
 
 
 class Service:
@@ -102,6 +110,9 @@ class Service:
 
     async def stats(self) -> dict:
         return await self.call("stats")
+
+    async def rss(self) -> int:
+        return (await self.stats()).get("handler_rss_bytes") or 0
 
     async def leaked_blocks(self, wait_s: float = 60) -> int:
         """Blocks still held once nothing runs (waits up to wait_s for aborts to land)."""
@@ -243,6 +254,8 @@ async def phase_http(service: Service) -> Tally:
                 tally.fail(case, f"hang (engine then: {await service.stats()})")
                 continue
             classify(tally, case, False, status, text)
+            if status == 400 and isinstance(body, dict) and json.loads(text)["error"].get("param") is None:
+                tally.notes.append(f"{case}: a 400 without param: {json.loads(text)['error']['message'][:80]}")
         for case, path, method in (("GET on a POST route", "/v1/chat/completions", "GET"),
                                    ("unknown route", "/v1/nope", "POST"), ("PUT /", "/", "PUT")):
             status, text = await post(session, service.url + path, b"{}", None, method)
@@ -481,6 +494,154 @@ async def phase_storm(service: Service, streams: int) -> Tally:
     return tally
 
 
+def attack_inputs() -> list[tuple[str, str, object, str | None]]:
+    """(case, path, body, the param its 400 must name) of issue 41's hostile inputs."""
+    deep_arguments = "[" * 100_000 + "]" * 100_000
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep_arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+    def schema(value):
+        return {"type": "json_schema", "json_schema": {"name": "s", "schema": value}}
+
+    nan_bias = (b'{"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
+                b'"logit_bias": {"5": NaN}}')
+    cases = [
+        ("stop 30,000 characters", chat(stop=["z" * 30_000]), "stop"),
+        ("stop 16 x 100,000 characters", chat(stop=["z" * 100_000] * 16), "stop"),
+        ("stop 10,000 strings", chat(stop=["z"] * 10_000), "stop"),
+        ("schema $ref #", chat(response_format=schema({"$ref": "#"})), "response_format"),
+        ("schema $ref cycle", chat(response_format=schema({"$defs": {"a": {"$ref": "#/$defs/b"},
+                                                                     "b": {"$ref": "#/$defs/a"}},
+                                                           "$ref": "#/$defs/a"})), "response_format"),
+        ("schema unclosed pattern", chat(response_format=schema({"type": "string", "pattern": "(a"})),
+         "response_format"),
+        ("schema nonsense type", chat(response_format=schema({"type": "strin"})), "response_format"),
+        ("schema properties a list", chat(response_format=schema({"type": "object", "properties": [1]})),
+         "response_format"),
+        ("schema enum of 40,000", chat(response_format=schema({"enum": [f"v{i}" for i in range(40_000)]})),
+         "response_format"),
+        ("schema enum of 20,000 (under the size cap)",
+         chat(response_format=schema({"enum": [f"u{i}" for i in range(20_000)]})), "response_format"),
+        ("schema 5 MB", chat(response_format=schema({"enum": ["x" * 1000] * 5000})), "response_format"),
+        ("schema 3,000 allOf", chat(response_format=schema({"type": "object", "properties": {
+            f"p{i}": {"allOf": [{"type": "string"}, {"maxLength": 5}]} for i in range(3000)}})), None),
+        ("tool schema $ref #", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "$ref": "#"}}}], tool_choice={"type": "function", "function": {"name": "f"}}), "tools"),
+        ("tool-call arguments nested 100,000 deep", chat(messages=history), "messages"),
+        ("metadata nested 500 deep", chat(metadata={"a": json.loads("[" * 500 + "]" * 500)}), "metadata"),
+        ("logit_bias key x", chat(logit_bias={"x": 1}), "logit_bias"),
+        ("logit_bias key of 5,000 digits", chat(logit_bias={"1" * 5000: 1}), "logit_bias"),
+        ("logit_bias NaN", nan_bias, "logit_bias"),
+        ("logit_bias 200,000 entries", chat(logit_bias={str(i % 40_000): 1 for i in range(200_000)}),
+         "logit_bias"),
+        ("n 10,000", chat(n=10_000), "n"),
+        ("top_logprobs 1,000", chat(logprobs=True, top_logprobs=1000), "top_logprobs"),
+        ("1,000 tools", chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(1000)],
+                             tool_choice="required"), "tools"),
+        ("lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}', "messages"),
+        ("responses max_output_tokens 0", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ("embeddings text of 5 MB", {"input": "word " * 1_000_000}, "input"),
+    ]
+    return [(case, "/v1/responses" if case.startswith("responses") else "/v1/embeddings"
+             if case.startswith("embeddings") else "/v1/chat/completions", body, param) for case, body, param in cases]
+
+
+async def phase_attack(service: Service) -> Tally:
+    tally = Tally("attack")
+    async with aiohttp.ClientSession() as session:
+        for case, path, body, param in attack_inputs():
+            before = await service.rss()
+            started = time.monotonic()
+            try:
+                status, text = await post(session, service.url + path, body)
+            except TimeoutError:
+                tally.cases += 1
+                tally.fail(case, "hang")
+                continue
+            growth = await service.rss() - before
+            tally.rss_growth = max(tally.rss_growth, growth)
+            classify(tally, case, False, status, text)
+            named = json.loads(text)["error"].get("param") if status >= 400 else None
+            if param is not None and status < 500 and named != param:
+                tally.fail(case, f"{status} names param {named!r}, not {param!r}: {text[:120]}")
+            tally.notes.append(f"{case}: {status} in {time.monotonic() - started:.1f} s, RSS {growth / 2**20:+.0f} MiB")
+        for case, headers in (("metrics without the key", {"Authorization": ""}),):
+            status, _ = await post(session, service.url + "/metrics", None, headers, "GET")
+            tally.cases += 1
+            if status != 401:
+                tally.fail(case, f"expected 401, got {status}")
+        tally.cases += 1
+        received = await raw_exchange(service.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                                    b"Authorization: Bearer \xff\xfe\r\n\r\n")
+        if not received.startswith(b"HTTP/1.1 401"):
+            tally.fail("non-UTF-8 Authorization header", f"expected 401, got {received[:40]!r}")
+        await starved_chat(service, session, tally)
+    tally.leaked = await service.leaked_blocks()
+    return tally
+
+
+async def starved_chat(service: Service, session, tally: Tally) -> None:
+    """Four compiles that would run for minutes and a long embeddings call, beside a chat: the chat's first
+    token must come within 15 s, the compiles must be refused within their budget."""
+    slow = chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "enum": [f"w{i}" for i in range(20_000)]}}})  # under the size cap; compiles far longer than the budget
+    long_embedding = {"input": [[1] * 500] * 12}
+    _, baseline = await timed(read_stream(session, service.url, chat(max_tokens=8), disconnect_after=1))
+    hostile = [asyncio.ensure_future(post(session, service.url + "/v1/chat/completions", slow)) for _ in range(4)]
+    hostile.append(asyncio.ensure_future(post(session, service.url + "/v1/embeddings", long_embedding)))
+    await asyncio.sleep(0.5)
+    (_, first_token_s) = await timed(read_stream(session, service.url, chat(max_tokens=8), disconnect_after=1))
+    results = await asyncio.gather(*hostile, return_exceptions=True)
+    tally.cases += 1
+    if first_token_s > 15:
+        tally.fail("chat beside slow compiles and embeddings", f"first token after {first_token_s:.1f} s")
+    tally.notes.append(f"chat first token beside 4 slow compiles and a 12-batch embeddings call: "
+                       f"{first_token_s:.2f} s (alone {baseline:.2f} s); their statuses "
+                       f"{[r[0] if isinstance(r, tuple) else repr(r) for r in results]}")
+
+
+async def phase_soak(service: Service, total: int) -> Tally:
+    """total streams, at most 24 at once, a third of the clients going away mid-stream; some constrained to
+    JSON, some with n > 1."""
+    tally = Tally("soak")
+    rng = random.Random(41)
+    gate = asyncio.Semaphore(24)
+    rss_before = await service.rss()
+    started = time.monotonic()
+
+    async def one(i: int):
+        body = {"messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
+                "max_tokens": rng.randint(8, 24), "temperature": 0.8, "seed": i}
+        if i % 5 == 1:
+            body["response_format"] = {"type": "json_object"}
+        if i % 7 == 2:
+            body["n"] = 3
+        disconnect = rng.randint(1, 4) if i % 3 == 2 else None
+        async with gate:
+            return body, disconnect, await read_stream(session, service.url, body, disconnect)
+
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(one(i) for i in range(total)), return_exceptions=True)
+    for i, result in enumerate(results):
+        tally.cases += 1
+        if isinstance(result, BaseException):
+            tally.fail(f"stream {i}", "hang" if isinstance(result, TimeoutError) else repr(result))
+            continue
+        body, disconnect, outcome = result
+        if "error" in outcome:
+            tally.fail(f"stream {i}", f"{outcome['status']}: {str(outcome['error'])[:120]}")
+        elif disconnect is None and not (outcome["done"] and outcome["finish_reason"] in ("stop", "length")):
+            tally.fail(f"stream {i}", f"ended without finish_reason and [DONE]: {outcome}")
+    tally.leaked = await service.leaked_blocks()
+    growth = await service.rss() - rss_before
+    tally.notes.append(f"{total} streams in {time.monotonic() - started:.0f} s, {total // 3} disconnecting, "
+                       f"{sum(i % 5 == 1 for i in range(total))} JSON-constrained, "
+                       f"{sum(i % 7 == 2 for i in range(total))} with n = 3; handler RSS {rss_before / 2**20:.0f} "
+                       f"-> {(rss_before + growth) / 2**20:.0f} MiB ({growth / 2**20:+.0f} MiB)")
+    return tally
+
+
 async def timed(coroutine) -> tuple[object, float]:
     started = time.monotonic()
     result = await coroutine
@@ -607,10 +768,11 @@ async def phase_faults(service: Service, kv_blocks: int) -> Tally:
 
 
 def report(tallies: list[Tally], total_blocks: int, started: float) -> None:
-    print("\nphase     cases  failures  500s (issue 21)  accepted  KV blocks leaked")
+    print("\nphase     cases  failures  500s (issue 21)  accepted  KV blocks leaked  largest RSS growth of one case")
     for t in tallies:
         leaked = "-" if t.leaked is None else f"{t.leaked} of {total_blocks}"
-        print(f"{t.phase:<9} {t.cases:>5}  {len(t.failures):>8}  {len(t.issue21):>15}  {len(t.accepted):>8}  {leaked}")
+        print(f"{t.phase:<9} {t.cases:>5}  {len(t.failures):>8}  {len(t.issue21):>15}  {len(t.accepted):>8}  "
+              f"{leaked:>16}  {t.rss_growth / 2**20:+.0f} MiB")
     print(f"total     {sum(t.cases for t in tallies):>5}  {sum(len(t.failures) for t in tallies):>8}  "
           f"{sum(len(t.issue21) for t in tallies):>15}  {sum(len(t.accepted) for t in tallies):>8}  "
           f"({time.monotonic() - started:.0f} s)")
@@ -630,6 +792,10 @@ async def campaign(args) -> None:
     try:
         if "http" in phases:
             tallies.append(await phase_http(service))
+        if "attack" in phases:
+            tallies.append(await phase_attack(service))
+        if "soak" in phases:
+            tallies.append(await phase_soak(service, args.soak))
         if "storm" in phases:
             tallies.append(await phase_storm(service, args.streams))
         if "hostage" in phases:
@@ -649,7 +815,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-blocks", type=int, default=48, help="HFENDPOINT_NUM_KV_BLOCKS (16 tokens each)")
     parser.add_argument("--streams", type=int, default=90, help="concurrent streams in the storm")
-    parser.add_argument("--phases", default="http,storm,hostage,faults,frames")
+    parser.add_argument("--soak", type=int, default=600, help="streams in the soak")
+    parser.add_argument("--phases", default="http,attack,soak,storm,hostage,faults,frames")
     asyncio.run(campaign(parser.parse_args()))
 
 

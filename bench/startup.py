@@ -46,7 +46,7 @@ CASE_TIMEOUT_S = 900.0
 STARTUP_LOGGER = "engine.startup: "
 
 ENGINE_SCRIPT = """
-import logging, sys
+import logging, os, pathlib, sys
 print("started", flush=True)
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
 logging.getLogger("engine").setLevel(logging.INFO)
@@ -54,8 +54,20 @@ from engine import LLM, SamplingParams
 print("imports done", flush=True)
 llm = LLM(sys.argv[1])
 print("engine ready", flush=True)
+print("kernels at ready", sum(1 for _ in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")), flush=True)
 llm.generate([list(map(int, sys.argv[2].split(",")))], SamplingParams(max_tokens=1, temperature=0))
 print("first token", flush=True)
+"""
+
+VERSIONS_SCRIPT = """
+import importlib.metadata, sys
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
+names = ("torch", "triton", "transformers", "tokenizers", "huggingface_hub", "xgrammar")
+print(f"python {sys.version.split()[0]}, " + ", ".join(f"{name} {version(name)}" for name in names))
 """
 
 
@@ -67,6 +79,7 @@ class Case:
     marks: dict[str, float] = field(default_factory=dict)  # event -> seconds since the process was started
     lines: list[str] = field(default_factory=list)  # the start-up lines, as logged
     kernels: int = 0  # compiled kernels in the Triton cache after the case
+    kernels_at_ready: int | None = None  # of those, compiled before the engine was ready (entry engine only)
 
     @property
     def label(self) -> str:
@@ -131,6 +144,7 @@ def run_engine(case: Case, model_dir: Path, env: dict[str, str]) -> Process:
     process = Process([sys.executable, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS))], env)
     for mark in ("imports done", "engine ready", "first token"):
         case.marks[mark] = process.wait_for(f"^{mark}$")[0]
+    case.kernels_at_ready = int(process.wait_for(r"^kernels at ready (\d+)$")[1].group(1))
     return process
 
 
@@ -165,9 +179,13 @@ async def first_token_through(case: Case, process: Process, url: str) -> None:
         case.marks["first token"] = result.chunk_times[0] - process.started
 
 
+def case_env(cache_dir: Path) -> dict[str, str]:
+    return {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str]) -> None:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = case_env(cache_dir)
     print(f"--- {case.label}", flush=True)
     process = None
     try:
@@ -193,11 +211,19 @@ def random_model(name: str) -> Path:
 
 def table(cases: list[Case]) -> str:
     marks = ("imports done", "engine ready", "health 200", "first token")
-    rows = [f"{'model':<11} {'entry':<7} {'cache':<6} " + " ".join(f"{mark:>13}" for mark in marks) + "  kernels"]
+    rows = [f"{'model':<11} {'entry':<7} {'cache':<6} " + " ".join(f"{mark:>13}" for mark in marks)
+            + "  kernels (at ready)"]
     for case in cases:
         cells = " ".join(f"{case.marks[mark]:>13.2f}" if mark in case.marks else f"{'-':>13}" for mark in marks)
-        rows.append(f"{case.model:<11} {case.entry:<7} {case.cache:<6} {cells}  {case.kernels:>7}")
+        at_ready = "-" if case.kernels_at_ready is None else case.kernels_at_ready
+        rows.append(f"{case.model:<11} {case.entry:<7} {case.cache:<6} {cells}  {case.kernels:>7} ({at_ready})")
     return "\n".join(rows)
+
+
+def versions() -> str:
+    """The versions of the libraries a start imports, as the cases' processes find them (PYTHONPATH included)."""
+    return subprocess.run([sys.executable, "-c", VERSIONS_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                          env=case_env(Path(tempfile.gettempdir()))).stdout.strip()
 
 
 def main() -> None:
@@ -213,6 +239,7 @@ def main() -> None:
     front = shlex.split(args.front_cmd) if args.front_cmd else default_front()
     cache_root = Path(args.cache_root or tempfile.mkdtemp(prefix="startup-triton-"))
     cases = []
+    print(versions(), flush=True)
     with tempfile.TemporaryDirectory() as served_root:
         for model in args.models:
             model_dir = served_model_dir(random_model(model), Path(served_root))

@@ -1,7 +1,8 @@
 """The request loop: decode requests from the daemon, run one task per request, send replies.
 
 Failure rules (docs/protocol.md section 7, docs/drain.md): unknown names and handler exceptions get error
-replies; objects that are not request maps are logged and skipped; a request reusing the id of one in
+replies; objects that are not request maps are skipped and counted (logged at the first of each kind, then
+at each power of ten); a request reusing the id of one in
 flight fails both (one error reply for the id); bytes that are not MessagePack, or a length header
 claiming more than a message may hold, fail every request in flight and end the session with exit code 1.
 EOF (the daemon dropped its write half) drains: the requests in flight run to their end, bounded by the
@@ -14,12 +15,13 @@ import msgpack
 
 from .errors import error_fields, error_message, error_status
 from .length_guard import LengthGuard, unpacker_limits
-from .log import error
+from .log import RepeatedProblems, error
 from .registry import COROUTINE, STREAM, Registry
 from .writer import ReplyWriter, data_prefix
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024   # the unpacker refuses (as corrupt) a single object above this
 MAX_U64 = (1 << 64) - 1
+MAX_NAME_ECHO = 64                      # characters of an unknown handler name quoted back
 SHUTDOWN_TIMEOUT_S = 10.0               # how long cancelled handlers get to run their cleanup
 DRAIN_TIMEOUT_S = 30.0                  # after EOF, how long the requests in flight get to finish
 CORRUPT_STREAM_ERROR = "the daemon sent bytes that are not MessagePack; the handler is exiting"
@@ -43,6 +45,7 @@ class Session(asyncio.Protocol):
         self._tasks: dict[int, asyncio.Task] = {}
         self._owns_writer = False  # stdio: the writer has its own transport (stdout)
         self._stopped = False
+        self._junk = RepeatedProblems()
         self.finished: asyncio.Future[int] = loop.create_future()
 
     # asyncio.Protocol
@@ -81,11 +84,11 @@ class Session(asyncio.Protocol):
     # Requests
     def _dispatch(self, obj) -> None:
         if type(obj) is not dict:
-            error(f"skipping a message that is not a request map: {_preview(obj)}")
+            self._junk.error("skipping a message that is not a request map", _preview(obj))
             return
         request_id = obj.get("id")
         if type(request_id) is not int or not 0 <= request_id <= MAX_U64:
-            error(f"skipping a request without a usable id (an unsigned 64-bit int): {_preview(obj)}")
+            self._junk.error("skipping a request without a usable id (an unsigned 64-bit int)", _preview(obj))
             return
         name = obj.get("name")
         if name == "cancel":
@@ -100,7 +103,9 @@ class Session(asyncio.Protocol):
             return
         entry = self._registry.get(name)
         if entry is None:
-            self._writer.send_error(request_id, f"no handler for '{name}'")
+            shown = f"'{name}'" if len(name) <= MAX_NAME_ECHO else \
+                f"'{name[:MAX_NAME_ECHO]}...' (a name of {len(name)} characters, cut short)"
+            self._writer.send_error(request_id, f"no handler for {shown}")
             return
         kind, fn = entry
         data = obj.get("data")

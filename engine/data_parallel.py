@@ -88,6 +88,7 @@ class DataParallelWorker:
             raise
         for fact in WORKER_FACTS:
             setattr(self, fact, getattr(self.local, fact))
+        self.reads_images = False  # a prompt's images do not travel to the spawned engines: image parts are refused
         if self.kind != "decoder":
             self.shutdown()
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: {config.model} is an embedding model, "

@@ -1,11 +1,12 @@
 """Offline batch generation on the caller's thread, like Nano-vLLM's LLM."""
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.startup_log import note, phase
+from engine.startup_log import note, timed
 from engine.tensor_parallel import load_on_all_ranks
 from models.model_files import load_tokenizer
 
@@ -20,12 +21,14 @@ class LLM:
         note("engine starting")
         config_overrides.setdefault("max_num_batched_tokens", OFFLINE_MAX_BATCHED_TOKENS)
         self.config = EngineConfig(model=model_path, **config_overrides)
-        loaded, self.ranks = load_on_all_ranks(self.config)
-        if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
-            raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
-        self.core = EngineCore(self.config, loaded, self.ranks)
-        with phase("tokenizer"):
-            self.tokenizer = load_tokenizer(loaded.model_dir)  # a .gguf's model_dir is its converted metadata
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:  # it loads while the engine does
+            # a .gguf file's tokenizer is its metadata's, converted under cache_dir as the weights' loader finds it
+            tokenizer = pool.submit(timed, "tokenizer", load_tokenizer, model_path, self.config.cache_dir)
+            loaded, self.ranks = load_on_all_ranks(self.config)
+            if loaded.kind != "decoder":  # never with ranks: tensor parallelism refuses encoders before it starts
+                raise ValueError(f"model {model_path} is an embedding model: it cannot generate")
+            self.core = EngineCore(self.config, loaded, self.ranks)
+            self.tokenizer = tokenizer.result()
         note("engine ready")
 
     def shutdown(self) -> None:

@@ -41,3 +41,9 @@ def phase(name: str, detail=None):
     started = time.perf_counter()
     yield
     took(name, time.perf_counter() - started, detail() if detail else None)
+
+
+def timed(name: str, function, *args):
+    """function(*args), timed as the phase `name` (phase()): for a phase run on a thread of its own."""
+    with phase(name):
+        return function(*args)

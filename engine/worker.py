@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.embed_queue import EmbedJob, EmbedQueue, finished_jobs, jobs_of
 from engine.embedding import Embedder, check_inputs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
@@ -45,13 +46,6 @@ class _Request:
     num_sent: int = 0  # output tokens delivered (a verification step adds several at once)
 
 
-@dataclass
-class _EmbedJob:
-    token_lists: list[list[int]]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
 class Worker:
     def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None] | None = None):
         """on_fatal(reason), called from another thread, says the engine cannot run another step (a
@@ -76,7 +70,7 @@ class Worker:
         self._cond = threading.Condition()
         self._new: list[_Request] = []
         self._aborts: list = []
-        self._embed_jobs: list[_EmbedJob] = []
+        self._embed_jobs = EmbedQueue(self.embedder.max_batch_tokens)  # one batch per engine iteration
         self._requests: dict[object, _Request] = {}  # in flight, by request id (engine thread and submit)
         self._stopped = False
         self._lost: str | None = None  # why the engine cannot go on
@@ -116,13 +110,14 @@ class Worker:
             self._cond.notify()
 
     async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
-        """Pooled, normalised vectors, computed between steps in batches with concurrent calls."""
+        """Pooled, normalised vectors, one batch (shared with concurrent calls) between two generation steps
+        (engine/embed_queue.py); cancelled, the call stops at its next batch."""
         check_inputs(token_lists, self.vocab_size, self.max_embedding_tokens)
         loop = asyncio.get_running_loop()
-        job = _EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
+        job = EmbedJob([list(tokens) for tokens in token_lists], loop.create_future(), loop)
         with self._cond:
             self._check_running()
-            self._embed_jobs.append(job)
+            self._embed_jobs.add(job)
             self._cond.notify()
         return await job.future
 
@@ -145,7 +140,7 @@ class Worker:
         with self._cond:
             self._lost = error
             requests, self._requests, self._new = list(self._requests.values()), {}, []
-            jobs, self._embed_jobs = self._embed_jobs, []
+            jobs = self._embed_jobs.drain()
             self._cond.notify()
         for request in requests:
             seq = request.seq
@@ -187,22 +182,22 @@ class Worker:
                     self._aborts.extend(self._requests)
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
-                jobs = self._take_embed_jobs()
+                batch = self._embed_jobs.take_batch()
             try:
-                self._iteration(new, aborts, jobs)
+                self._iteration(new, aborts, batch)
             except Exception as exc:  # a bug in one iteration fails its requests, not the process
                 log.exception("engine iteration failed")
                 self._fail_everything(f"{type(exc).__name__}: {exc}")
-                for job in jobs:  # embedding calls this iteration took and may not have answered
+                for job in jobs_of(batch):  # embedding calls this iteration took and may not have answered
                     _post(job.loop, _set_future, job.future, None, exc)
             if stopping:
                 with self._cond:
-                    jobs, self._embed_jobs = self._embed_jobs, []
+                    jobs = self._embed_jobs.drain()
                 for job in jobs:
                     _post(job.loop, _set_future, job.future, None, RuntimeError("the engine shut down"))
                 return
 
-    def _iteration(self, new: list[_Request], aborts: list, jobs: list[_EmbedJob]) -> None:
+    def _iteration(self, new: list[_Request], aborts: list, batch: list[tuple[EmbedJob, int]]) -> None:
         for request in new:
             self.core.add(request.seq)
         finished = []
@@ -212,36 +207,22 @@ class Worker:
                 self.core.abort(request.seq)
                 finished.append((request.seq, None))
         self._deliver(finished)
-        if jobs:
-            self._run_embed_jobs(jobs)
+        if batch:
+            self._run_embed_batch(batch)
         if self.core and self.core.has_work():
             self._deliver(self.core.step())
         elif self.core and self.core.warming_up:  # idle: the next part of the warm-up
             self.core.warm_up_next()
 
-    def _take_embed_jobs(self) -> list[_EmbedJob]:
-        """Pending embedding calls up to max_embedding_batch_tokens (always at least one)."""
-        taken, tokens = 0, 0
-        for job in self._embed_jobs:
-            size = sum(map(len, job.token_lists))
-            if taken and tokens + size > self.config.max_embedding_batch_tokens:
-                break
-            taken, tokens = taken + 1, tokens + size
-        jobs, self._embed_jobs = self._embed_jobs[:taken], self._embed_jobs[taken:]
-        return jobs
-
-    def _run_embed_jobs(self, jobs: list[_EmbedJob]) -> None:
+    def _run_embed_batch(self, batch: list[tuple[EmbedJob, int]]) -> None:
         try:
-            vectors = self.embedder.embed([tokens for job in jobs for tokens in job.token_lists]).tolist()
+            vectors = self.embedder.embed([job.token_lists[index] for job, index in batch])
         except Exception as exc:  # noqa: BLE001 - reported to the callers
-            for job in jobs:
+            for job in jobs_of(batch):
                 _post(job.loop, _set_future, job.future, None, exc)
             return
-        start = 0
-        for job in jobs:
-            end = start + len(job.token_lists)
-            _post(job.loop, _set_future, job.future, vectors[start:end], None)
-            start = end
+        for job in finished_jobs(batch, vectors):
+            _post(job.loop, _set_future, job.future, job.vectors, None)
 
     def _deliver(self, results: list[tuple[Sequence, int | None]]) -> None:
         """Posts one step's outputs with a single call_soon_threadsafe per event loop."""

@@ -14,7 +14,7 @@ import subprocess
 import msgpack
 
 from daemon_protocol.errors import DEFAULT_STATUS
-from daemon_protocol.log import error
+from daemon_protocol.log import RepeatedProblems, error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
 CHAT_QUEUE_CHUNKS = 10
@@ -26,7 +26,30 @@ class HandlerGone(Exception):
 
 
 class UnencodableRequest(ValueError):
-    """The request holds a value MessagePack cannot carry (an integer outside 64 bits)."""
+    """The request holds a value MessagePack cannot carry (an integer outside 64 bits, a string that is not
+    Unicode); param names the request field that holds it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def unencodable(data, exc: Exception) -> UnencodableRequest:
+    """Why MessagePack could not carry the request, naming the top-level field at fault."""
+    param = None
+    if isinstance(data, dict):
+        for key, value in data.items():
+            try:
+                msgpack.packb(value)
+            except (OverflowError, TypeError, ValueError):
+                param = key
+                break
+    where = f"'{param}'" if param else "the request"
+    if isinstance(exc, UnicodeError):
+        return UnencodableRequest(f"{where} holds a string that is not valid Unicode (a lone surrogate such as "
+                                  "\\ud800 escaped in the JSON); send UTF-8 text", param)
+    return UnencodableRequest(f"{where} holds a value the daemon protocol cannot carry ({exc}); integers must "
+                              "fit in 64 bits", param)
 
 
 class HandlerError(Exception):
@@ -94,6 +117,7 @@ class HandlerConnection:
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task] = []
         self._eof_sent = False  # once stop() dropped our write half, nothing more can be sent
+        self._stray_replies = RepeatedProblems()  # replies after a cancel are expected: counted, not each logged
         self.closed: asyncio.Future | None = None
 
     @property
@@ -127,8 +151,7 @@ class HandlerConnection:
         try:
             packed = msgpack.packb({"id": request_id, "name": name, "data": data})
         except (OverflowError, TypeError, ValueError) as exc:
-            raise UnencodableRequest(f"the request holds a value the daemon protocol cannot carry ({exc}); "
-                                     "integers must fit in 64 bits") from None
+            raise unencodable(data, exc) from None
         stream = RequestStream(self, request_id, queue_size)
         self._streams[stream.id] = stream
         self._writer.write(packed)
@@ -178,7 +201,8 @@ class HandlerConnection:
         request_id = reply.get("id") if isinstance(reply, dict) else None
         stream = self._streams.get(request_id)
         if stream is None:
-            error(f"dropping a reply for request {request_id!r}, which is not in flight")
+            self._stray_replies.error("dropping replies for requests not in flight (cancelled ones, whose replies "
+                                      "were on their way)", f"request {request_id!r:.40}")
             return
         await stream.queue.put(reply)
 

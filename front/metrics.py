@@ -3,7 +3,8 @@
 Measured here, per HTTP request: counts by route and status, the request's duration, time to first token
 and time per output token of chat requests. From the handler's `stats` handler (the health probe's last
 answer): running and waiting requests, KV cache blocks used and total, prefix-cache hit rate, preemptions,
-and whether the handler is ready; with several data-parallel engines, each one's gauges too (label `engine`).
+the handler's resident memory, and whether the handler is ready; with several data-parallel engines, each
+one's gauges too (label `engine`).
 """
 from collections.abc import Callable
 
@@ -63,7 +64,8 @@ class _EngineCollector:
                   ("waiting", "num_requests_waiting", "Requests queued for the engine"),
                   ("num_total_blocks", "kv_cache_blocks_total", "KV cache blocks in the pool"),
                   ("prefix_cache_hit_rate", "prefix_cache_hit_rate",
-                   "Share of prompt tokens found in the prefix cache since start"))
+                   "Share of prompt tokens found in the prefix cache since start"),
+                  ("handler_rss_bytes", "handler_resident_memory_bytes", "The handler process's resident memory"))
         for key, name, documentation in gauges:
             if _is_number(stats.get(key)):
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=stats[key])

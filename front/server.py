@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import struct
@@ -59,6 +60,8 @@ IDLE_TIMEOUT_S = 75.0    # a connection with no request, or a request body, sile
 MAX_TOKEN_ID = (1 << 32) - 1
 DEFAULT_MODEL_NAME = "hfendpoint"  # for a handler that does not answer `models` with an id
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+UNAUTHENTICATED_PATHS = ("/", "/health")  # probes: everything else needs the key, when one is set
 
 CONNECTION = web.AppKey("connection", HandlerConnection)
 SETTINGS = web.AppKey("settings", dict)
@@ -105,10 +108,10 @@ async def count_requests(request: web.Request, handler):
 @web.middleware
 async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI-shaped JSON; the API key (a bearer token, or Anthropic's x-api-key) is
-    checked on /v1 routes and TEI's /rerank."""
-    key = request.app[SETTINGS]["api_key"]
-    guarded = request.path.startswith("/v1/") or request.path == "/rerank"
-    if key and guarded and not key_sent(request, key):
+    checked on every route but health (and /metrics when the operator opened it)."""
+    settings = request.app[SETTINGS]
+    key = settings["api_key"]
+    if key and needs_key(request.path, settings["open_metrics"]) and not key_sent(request, key):
         return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
                                    "'x-api-key: <key>'", code="invalid_api_key")
     try:
@@ -116,7 +119,7 @@ async def openai_errors(request: web.Request, handler):
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.param, exc.code)
     except UnencodableRequest as exc:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), exc.param)
     except HandlerError as exc:
         return error_response(exc.status, str(exc), exc.param, exc.code)
     except HandlerGone as exc:
@@ -129,16 +132,23 @@ async def openai_errors(request: web.Request, handler):
         return error_response(exc.status, exc.reason)
 
 
+def needs_key(path: str, open_metrics: bool) -> bool:
+    return path not in UNAUTHENTICATED_PATHS and not (open_metrics and path == "/metrics")
+
+
 def key_sent(request: web.Request, key: str) -> bool:
     """The key as a bearer token or in Anthropic's `x-api-key` header."""
     return (bearer_matches(request.headers.get("Authorization", ""), key)
-            or hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key.encode()))
+            or hmac.compare_digest(request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape"),
+                                   key.encode()))
 
 
 def bearer_matches(authorization: str, key: str) -> bool:
-    """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+    """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time. A header that is not
+    UTF-8 (its bytes come as surrogate escapes) matches no key."""
     scheme, _, credentials = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), key.encode())
+    given = credentials.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -482,6 +492,14 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 # Responses
+RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}  # chat: ours
+
+
+def responses_wording(message: str) -> str:
+    """A chat error's message in /v1/responses' field names."""
+    return re.sub(r"\bmax_tokens\b", "max_output_tokens", message)
+
+
 async def responses(request: web.Request) -> web.Response:
     """Like the production daemon: the input string becomes one user message (instructions, when
     given, a system message before it); non-streaming only."""
@@ -495,10 +513,14 @@ async def responses(request: web.Request) -> web.Response:
     messages = ([{"role": "system", "content": body["instructions"]}] if body.get("instructions") else [])
     messages.append({"role": "user", "content": text})
     data = {"messages": messages, "stream": False}
-    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
+    for ours, theirs in RESPONSES_FIELDS.items():
         if body.get(theirs) is not None:
             data[ours] = body[theirs]
-    reply = await complete_chat(request, data)
+    try:
+        reply = await complete_chat(request, data)
+    except HandlerError as exc:  # the handler names the chat field; the client sent this route's
+        raise HandlerError(responses_wording(str(exc)), exc.status, RESPONSES_FIELDS.get(exc.param, exc.param),
+                           exc.code) from None
     usage = reply.usage or {}
     return web.json_response({
         "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
@@ -511,13 +533,15 @@ async def responses(request: web.Request) -> web.Response:
 
 
 def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: float,
-             health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S) -> web.Application:
-    """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does."""
+             health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S,
+             open_metrics: bool = False) -> web.Application:
+    """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does.
+    open_metrics: /metrics answers without the API key."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, anthropic.anthropic_errors,
                                                                              openai_errors])
     app[CONNECTION] = connection
     app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "idle_timeout": idle_timeout,
-                     "started": int(time.time())}
+                     "open_metrics": open_metrics, "started": int(time.time())}
     app[HEALTH] = health_state = HandlerHealth(connection, health_timeout)
     app[METRICS] = ServingMetrics(lambda: health_state.stats, lambda: health_state.problem() is None)
     app.cleanup_ctx.append(watch_handler)
@@ -562,7 +586,8 @@ async def serve(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
-                   args.chunk_timeout, args.health_timeout, args.idle_timeout)
+                   args.chunk_timeout, args.health_timeout, args.idle_timeout,
+                   args.open_metrics or env_flag("HFENDPOINT_OPEN_METRICS"))
     # keepalive_timeout closes a connection idle between requests, or one that never completes a request's head
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=args.idle_timeout)
     await runner.setup()
@@ -589,6 +614,14 @@ async def serve(args: argparse.Namespace) -> int:
     return 0 if by_signal or code == 0 else 1
 
 
+def env_flag(name: str) -> bool:
+    """A true/false environment variable (unset: false); another value is refused at start, naming it."""
+    raw = os.environ.get(name, "false").strip().lower()
+    if raw not in TRUE_WORDS + FALSE_WORDS:
+        raise SystemExit(f"{name}={raw!r} is invalid: expected true or false")
+    return raw in TRUE_WORDS
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((host, port), family=family, backlog=1024)
@@ -600,6 +633,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $HFENDPOINT_API_KEY)")
+    parser.add_argument("--open-metrics", action="store_true",
+                        help="serve /metrics without the API key (default: $HFENDPOINT_OPEN_METRICS, else false)")
     parser.add_argument("--chunk-timeout", type=float, default=CHUNK_TIMEOUT_S,
                         help="seconds to wait between two chunks of one request (default 300)")
     parser.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,

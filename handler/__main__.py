@@ -5,11 +5,13 @@ and engine come from the environment (see handler/model_source.py and engine/con
 """
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import daemon_protocol
 from daemon_protocol.transports import TransportError, parse_transport, transport_from_env
@@ -51,9 +53,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def configure_logging(transport_kind: str) -> None:
     """Timestamped lines; startup lines and problems on stderr (the daemon logs them at ERROR), the access
     and engine lines on stdout, which in stdio mode carries the protocol: there they go to stderr too."""
+    from handler.library_warnings import library_warnings
     formatter = logging.Formatter(LOG_FORMAT)
     problems = logging.StreamHandler(sys.stderr)
     problems.setFormatter(formatter)
+    problems.addFilter(library_warnings.logging_filter(OUR_LOGGERS))  # other libraries: once per kind of warning
+    logging.captureWarnings(True)  # Python warnings through that filter too
     logging.basicConfig(level=logging.WARNING, handlers=[problems], force=True)
     for name in OUR_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO)
@@ -70,16 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.transport_kind)
     from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
     from handler.model_source import ModelNotFound, resolve_model
-    from handler.service import Service  # xgrammar's imports among them: before the engine is ready
     from handler.settings import HandlerSettings
-    startup_log.note("imports done")
     try:
         settings = HandlerSettings.from_env()
         model = resolve_model()
         config = EngineConfig.from_env(model.path)
     except (ModelNotFound, ValueError) as exc:
-        log.error(str(exc))
+        log.error(str(exc))  # the one line of a start that cannot begin
         return 2
+    startup_log.note("imports done")
     name = os.environ.get("HFENDPOINT_MODEL_NAME") or model.name
     loaded = load(name, model.path, config)
     if loaded is None:
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     worker, tokenizer = loaded
     try:
         from engine.gc_freeze import freeze_startup_objects
+        from handler.service import Service  # imported by load(), on its thread
         with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
             service = Service(worker, tokenizer, name, settings)
         for handler_name in HANDLER_NAMES:
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load(name: str, path: str, config):
     """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
-    reason logged) when loading fails."""
+    reason logged) when loading fails. The tokenizer and the chat service's imports load on a thread meanwhile."""
     from engine import startup_log
     from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
@@ -109,11 +114,17 @@ def load(name: str, path: str, config):
     started = time.perf_counter()
     done = threading.Event()
     threading.Thread(target=log_loading, args=(name, started, done), name="loading-log", daemon=True).start()
+    worker = None
     try:
-        with startup_log.phase("tokenizer"):
-            tokenizer = load_tokenizer(path, config.cache_dir)
-        worker = make_worker(config, on_fatal=exit_soon)
+        with ThreadPoolExecutor(1, thread_name_prefix="loading-beside") as pool:  # see the docstring
+            tokenizer = pool.submit(startup_log.timed, "tokenizer", load_tokenizer, path, config.cache_dir)
+            pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
+                        "handler.service")
+            worker = make_worker(config, on_fatal=exit_soon)
+        tokenizer = tokenizer.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
+        if worker:
+            worker.shutdown()
         log.error(f"cannot load {path}: {type(exc).__name__}: {exc}")
         return None
     finally:

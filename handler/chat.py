@@ -8,16 +8,16 @@ SamplingParams; max_tokens defaults to the rest of the context.
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from daemon_protocol import RequestError
 from engine import SamplingParams
 from handler.images import is_image_part
+from handler.limits import RequestLimits, nesting_depth_over
 from models.model_files import read_generation_config
 
-MAX_STOP_STRINGS = 16  # each is checked against the held-back text after every token
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # generation_config.json key -> request field it supplies the default for
 GENERATION_CONFIG_DEFAULTS = {
@@ -67,6 +67,7 @@ class ChatModel:
     max_chars_per_token: int | None = None  # from max_chars_per_token(tokenizer); None: no bound before tokenizing
     trust_request_chat_template: bool = False  # HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE
     vision: object = None  # handler.images.VisionPrompt of a model that reads images; None: image parts refused
+    limits: RequestLimits = field(default_factory=RequestLimits)  # HFENDPOINT_MAX_...
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,14 @@ def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> Chat
     preprocessed here, on the encoding thread."""
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
+    check_nesting(data, model.limits)
     check_field_types(data)
     from handler.output_plan import plan_output, with_prompt  # here: those modules import this one's helpers
     from handler.tools import prepare_tool_turns
     messages = prepare_tool_turns(parse_messages(data.get("messages"), model.vision is not None))
+    check_nesting(messages, model.limits, "messages")  # tool-call arguments, parsed from their JSON strings
     output = plan_output(data, model)
+    stop = parse_stop(data.get("stop"), model.limits)
     prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools,
                            model.trust_request_chat_template)
     images = ()
@@ -95,13 +99,14 @@ def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> Chat
         prompt = model.vision.expand(prompt, len(image_sources))
         images = tuple(model.vision.prepare(source) for source in image_sources)
     check_prompt_chars(len(prompt), model)
+    check_rendered_size(len(prompt), model.limits)
     prompt_token_ids = encode_prompt(model.tokenizer, prompt)
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
     params = sampling_params(fields, {**output.sampling, "max_tokens": max_tokens}, model)
-    return ChatRequest(prompt_token_ids, params, parse_stop(data.get("stop")),
-                       with_prompt(output, model.tokenizer.chat_template, prompt), images)
+    return ChatRequest(prompt_token_ids, params, stop, with_prompt(output, model.tokenizer.chat_template, prompt),
+                       images)
 
 
 def sampling_params(fields: dict, settings: dict, model: ChatModel) -> SamplingParams:
@@ -112,8 +117,20 @@ def sampling_params(fields: dict, settings: dict, model: ChatModel) -> SamplingP
     try:  # SamplingParams checks the types and ranges and names the field
         return SamplingParams(**sampling, **settings, stop_token_ids=() if ignore_eos else model.eos_token_ids)
     except ValueError as exc:  # its messages start with the field's name
-        field = next((name for name in (*sampling, *settings) if str(exc).startswith(f"{name} ")), None)
-        raise RequestError(str(exc), param=field) from exc
+        at_fault = next((name for name in (*sampling, *settings) if str(exc).startswith(f"{name} ")), None)
+        raise RequestError(str(exc), param=at_fault) from exc
+
+
+def check_nesting(value, limits: RequestLimits, where: str | None = None) -> None:
+    """Lists and maps nested deeper than the operator allows are refused before anything walks them
+    recursively (the template's tojson, the grammar compiler, a JSON encoder)."""
+    if not nesting_depth_over(value, limits.max_nesting_depth):
+        return
+    if where is None:  # name the top-level field that nests too deeply
+        where = next((name for name, item in value.items() if nesting_depth_over(item, limits.max_nesting_depth - 1)),
+                     None)
+    raise RequestError(f"{where or 'the request'} nests lists and maps more than {limits.max_nesting_depth} levels "
+                       "deep (HFENDPOINT_MAX_NESTING_DEPTH); flatten it", param=where)
 
 
 def check_field_types(data: dict) -> None:
@@ -281,6 +298,14 @@ def check_prompt_chars(num_prompt_chars: int, model: ChatModel) -> None:
         )
 
 
+def check_rendered_size(num_prompt_chars: int, limits: RequestLimits) -> None:
+    """A template's output past the operator's bound is refused: a (trusted) template may write any amount."""
+    if num_prompt_chars > limits.max_prompt_chars:
+        raise RequestError(f"messages: the chat template wrote a prompt of {num_prompt_chars} characters, more than "
+                           f"this server's {limits.max_prompt_chars} (HFENDPOINT_MAX_PROMPT_CHARS)",
+                           param="messages", code="context_length_exceeded")
+
+
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens >= max_model_len:
         raise RequestError(
@@ -306,22 +331,27 @@ def parse_max_tokens(data: dict, fields: dict, num_prompt_tokens: int, max_model
     return min(room, default) if isinstance(default, int) and default >= 1 else room
 
 
-def parse_stop(stop) -> tuple[str, ...]:
+def parse_stop(stop, limits: RequestLimits) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r:.100}",
                            param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    if len(stops) > limits.max_stop_strings:
+        raise RequestError(f"stop: at most {limits.max_stop_strings} stop strings (HFENDPOINT_MAX_STOP_STRINGS), "
+                           f"got {len(stops)}", param="stop")
+    longest = max(map(len, stops))
+    if longest > limits.max_stop_chars:
+        raise RequestError(f"stop: a stop string is at most {limits.max_stop_chars} characters "
+                           f"(HFENDPOINT_MAX_STOP_CHARS), got one of {longest}", param="stop")
     return tuple(stops)
 
 
 def sampling_defaults(model_dir: str) -> dict:
     """Sampling defaults from the model's generation_config.json."""
     config = read_generation_config(model_dir)
-    return {field: config[key] for key, field in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
+    return {name: config[key] for key, name in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
 
 
 def integer(fields: dict, name: str) -> int:

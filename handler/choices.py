@@ -10,6 +10,7 @@ wants: a daemon reads chunks up to the first finish_reason.
 import asyncio
 from dataclasses import replace
 
+from daemon_protocol import RequestError
 from engine import SamplingParams
 from handler.detokenizer import Detokenizer
 from handler.grammar import GrammarConstraint
@@ -103,6 +104,7 @@ class Choice:
         self.index = index
         self.completion = Completion(detokenizer)
         self.constraint = GrammarConstraint(plan.grammar) if plan.grammar is not None else None
+        self.schema_field = plan.schema_field
         self.reasoning = ReasoningSplitter(plan.reasoning) if plan.reasoning is not None else None
         tools = plan.tools
         self.tools = ToolCallParser(tools.style, tools.function_name, max_calls=None if tools.parallel else 1) \
@@ -117,6 +119,7 @@ class Choice:
             return None
         text, entries = [], []
         for output in outputs:
+            self._check_grammar(output)
             piece, num_read = self.completion.consume(output)
             text.append(piece)
             if self.logprobs is not None and output.logprobs:
@@ -140,6 +143,13 @@ class Choice:
             if self.completion.detokenizer.stop_string is not None:
                 chunk["stop_sequence"] = self.completion.detokenizer.stop_string
         return chunk if len(chunk) > 2 or parsed.content else None
+
+    def _check_grammar(self, output) -> None:
+        """A grammar that allowed no next token failed its request: the schema's fault, not the engine's."""
+        if output.finish_reason == "error" and self.constraint is not None and self.constraint.broken:
+            self.completion.engine_finished = True
+            raise RequestError(f"{self.schema_field}: the JSON schema's grammar reached a point where no token may "
+                               "follow (no value satisfies the schema); fix the schema", param=self.schema_field)
 
     def _parse(self, text: str, finished: bool) -> tuple[str, Parsed]:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)

@@ -15,6 +15,7 @@ from handler.chat import (
     ChatModel,
     ChatRequest,
     check_field_types,
+    check_nesting,
     encode_prompt,
     integer,
     parse_max_tokens,
@@ -45,13 +46,14 @@ def parse_completion_request(data, model: ChatModel) -> CompletionRequest:
     """Every problem is a RequestError naming the field."""
     if not isinstance(data, dict):
         raise RequestError(f"request data must be a map, got {type_name(data)}")
+    check_nesting(data, model.limits)
     check_field_types(data)
     for name, kind in COMPLETION_FIELD_TYPES.items():
         if data.get(name) is not None and not isinstance(data[name], bool):
             raise RequestError(f"{name} must be a {kind}, got {data[name]!r:.100}", param=name)
     check_unsupported(data)
     check_stream_options(data)
-    n = parse_n(data)
+    n = parse_n(data, model.limits.max_n)
     logprobs = parse_legacy_logprobs(data)
     echo = data.get("echo") is True
     plan = OutputPlan(n=n, logprobs=logprobs, logit_bias=parse_logit_bias(data, model))
@@ -63,7 +65,7 @@ def parse_completion_request(data, model: ChatModel) -> CompletionRequest:
         if echo else None
     fields = {**model.sampling_defaults, "max_tokens": DEFAULT_MAX_TOKENS,
               **{k: v for k, v in data.items() if v is not None}}
-    stop = parse_stop(data.get("stop"))
+    stop = parse_stop(data.get("stop"), model.limits)
     requests = []
     for i, token_ids in enumerate(prompts):
         check_prompt(token_ids, i, model)

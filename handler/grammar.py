@@ -1,61 +1,96 @@
 """Grammars for structured outputs and forced tool calls: JSON schemas compiled by xgrammar.
 
-One compiler per served model, made at start-up from its tokenizer and the model's vocabulary size (the LM
-head may have more rows than the tokenizer has tokens; xgrammar never allows those). It keeps what it compiled,
-so a schema sent again costs a lookup. Each choice of a request gets its own GrammarConstraint (an xgrammar
-GrammarMatcher), the per-request object the engine fills token masks from and advances with each token it
-takes (engine/constraints.py).
+One Grammars per served model, made at start-up from its tokenizer and the model's vocabulary size (the LM
+head may have more rows than the tokenizer has tokens; xgrammar never allows those). Schemas compile in child
+processes within the operator's time budget (handler/grammar_compiler.py); what they compiled is kept here by
+schema, so a schema sent again costs a lookup. Each choice of a request gets its own GrammarConstraint (an
+xgrammar GrammarMatcher), the per-request object the engine fills token masks from and advances with each token
+it takes (engine/constraints.py).
 
 The grammars write compact JSON (", " and ": " as separators, no other whitespace), and strict mode allows
 no property a schema does not list: both narrow what a schema allows to outputs that still satisfy it, and
 keep a small model sampled at a high temperature from wandering into endless whitespace or extra keys.
 """
-import json
-import re
 import warnings
+from collections import OrderedDict
 
 import xgrammar
 
 from handler.chat import RequestError
+from handler.grammar_compiler import CompileRefused, CompileTimeout, GrammarCompilerPool
+from handler.limits import RequestLimits
 
 CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse; the least recently used go first
-LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:30:24] /project/cpp/x.cc:4944: " before a message
+COMPILE_PROCESSES = 2  # grammars compiled at once
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 max_grammar_bytes: int = RequestLimits.max_grammar_bytes):
         """stop_token_ids: the tokens that end a reply; a grammar allows them once its text is complete. A model
-        without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars."""
+        without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars.
+        max_grammar_bytes: the largest compiled grammar a request may have (HFENDPOINT_MAX_GRAMMAR_BYTES)."""
         self.vocab_size = vocab_size
+        self.max_grammar_bytes = max_grammar_bytes
         self.can_constrain = bool(stop_token_ids)
         with warnings.catch_warnings():  # without stop tokens xgrammar warns that it found none
             warnings.simplefilter("ignore")
             self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                 stop_token_ids=list(stop_token_ids) or None)
-        self.compiler = xgrammar.GrammarCompiler(self.info, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self.token_bytes: list[bytes] = self.info.decoded_vocab  # each token's exact bytes
+        self._pool: GrammarCompilerPool | None = None
+        self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
 
-    def compile_json_schema(self, schema: dict, field: str) -> xgrammar.CompiledGrammar:
-        """The grammar of a JSON schema; a schema xgrammar cannot compile is the request's error, naming field."""
+    async def compile_json_schema(self, schema: str, field: str, timeout: float) -> xgrammar.CompiledGrammar:
+        """The grammar of a JSON schema (as JSON text); a schema xgrammar cannot compile, that no value satisfies,
+        or that takes longer than timeout seconds to compile is the request's error, naming field."""
+        if schema in self._cache:
+            self._cache.move_to_end(schema)
+            return self._cache[schema]
         try:
-            return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            message = LIBRARY_PREFIX.sub("", str(exc)).strip()
-            raise RequestError(f"{field}: xgrammar cannot compile this JSON schema: {message}") from None
+            compiled = await self.start_compilers().compile(schema, timeout)
+        except CompileRefused as exc:
+            raise RequestError(f"{field}: {exc}", param=field) from None
+        except CompileTimeout:
+            raise RequestError(f"{field}: this JSON schema's grammar did not compile within {timeout:g} s (the "
+                               "server's HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT); simplify the schema",
+                               param=field) from None
+        self._remember(schema, compiled)
+        return compiled
 
+    def start_compilers(self) -> GrammarCompilerPool:
+        """The compiling processes, started on first use (the handler starts them with the service)."""
+        if self._pool is None:
+            self._pool = GrammarCompilerPool(self.info.serialize_json(), self._deserialize, COMPILE_PROCESSES,
+                                             self.max_grammar_bytes)
+        return self._pool
+
+    def _deserialize(self, serialized: str) -> xgrammar.CompiledGrammar:
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self.info)
+
+    def _remember(self, schema: str, compiled: xgrammar.CompiledGrammar) -> None:
+        self._cache[schema] = compiled
+        self._cache_bytes += compiled.memory_size_bytes
+        while self._cache_bytes > CACHE_LIMIT_BYTES and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= dropped.memory_size_bytes
 
 
 class GrammarConstraint:
     """One choice's grammar as the engine drives it (engine/constraints.py)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "broken")
     batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
 
     def __init__(self, compiled: xgrammar.CompiledGrammar):
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.broken = False  # a token it did not allow came: its grammar allowed none (a dead end)
 
     def accept_token(self, token_id: int) -> bool:
-        return self.matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        self.broken = self.broken or not accepted
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)

@@ -70,7 +70,8 @@ def speculation_summary(engine: dict) -> str:
 async def report_engine(stats: Callable[[], dict], generated_tokens: Callable[[], int],
                         interval: float = ENGINE_LOG_INTERVAL_S) -> None:
     """Every `interval` seconds in which the engine had work: requests running and waiting, KV cache blocks
-    in use, the prefix-cache hit rate since start, preemptions, and output tokens per second."""
+    in use, the prefix-cache hit rate since start, preemptions, output tokens per second, and the handler's
+    resident memory (stats' handler_rss_bytes)."""
     last_tokens, last_time = generated_tokens(), time.perf_counter()
     while True:
         await asyncio.sleep(interval)
@@ -79,9 +80,11 @@ async def report_engine(stats: Callable[[], dict], generated_tokens: Callable[[]
         if engine["running"] or engine["waiting"] or tokens != last_tokens:
             total = engine["num_total_blocks"]
             used = total - engine["num_free_blocks"]
+            rss = engine.get("handler_rss_bytes")
             engine_log.info("running %d, waiting %d, KV cache %d/%d blocks (%.0f%%), prefix-cache hit rate %.0f%%, "
-                            "preemptions %d, %.1f output tokens/s%s", engine["running"], engine["waiting"], used,
-                            total, 100 * used / total if total else 0, 100 * engine["prefix_cache_hit_rate"],
-                            engine["num_preemptions"], (tokens - last_tokens) / (now - last_time),
+                            "preemptions %d, %.1f output tokens/s, handler RSS %s%s", engine["running"],
+                            engine["waiting"], used, total, 100 * used / total if total else 0,
+                            100 * engine["prefix_cache_hit_rate"], engine["num_preemptions"],
+                            (tokens - last_tokens) / (now - last_time), "-" if rss is None else f"{rss >> 20} MiB",
                             speculation_summary(engine))
         last_tokens, last_time = tokens, now

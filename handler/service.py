@@ -8,7 +8,8 @@ so a long prompt neither holds up the event loop that streams every other reques
 the requests behind it; a request's images are fetched on the event loop first, then decoded and preprocessed
 with its prompt on the encoding thread (handler/images.py). A request cancelled while its encoding waits for a
 thread is never encoded; one cancelled while encoding (a template render cannot be interrupted) is dropped once it
-ends, before the engine sees it.
+ends, before the engine sees it. A request's JSON schema compiles after its encoding, in the grammar compilers'
+own processes (handler/grammar.py), so that a slow compile holds no encoding thread.
 """
 
 import asyncio
@@ -21,18 +22,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from daemon_protocol import RequestError
 from engine import Worker
-from handler.chat import ChatModel, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
+from engine.embedding import check_inputs
+from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
 from handler.images import ImageFetcher, VisionPrompt
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
+from handler.memory import resident_bytes
 from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
 
 ENCODER_THREADS = 4  # requests encoded at once
 ENCODER_START_TIMEOUT_S = 60.0
+FALLBACK_CHARS_PER_TOKEN = 64  # for tokenizers that give no bound (handler/chat.py max_chars_per_token)
+TRUNCATION_MARGIN = 2  # a truncated text's end tokenized: this many times what its kept tokens can span
 
 
 class EngineUnavailable(RuntimeError):
@@ -47,6 +52,7 @@ class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
                  engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
         settings = settings or HandlerSettings()
+        self.auto_truncate = settings.auto_truncate
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
@@ -55,13 +61,17 @@ class Service:
         # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
         # This one is only copied from, by each encoding thread as it starts.
         encoding_tokenizer = copy.deepcopy(tokenizer)
-        grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos) if worker.kind == "decoder" else None
+        self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos,
+                                             settings.limits.max_grammar_bytes) if worker.kind == "decoder" else None)
+        if grammars is not None and grammars.can_constrain:
+            grammars.start_compilers()
         vision = VisionPrompt.load(worker.model_dir, settings.image_max_pixels) if worker.reads_images else None
         self.images = ImageFetcher(settings) if vision is not None else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
                                     max_chars_per_token=max_chars_per_token(tokenizer),
-                                    trust_request_chat_template=settings.trust_request_chat_template, vision=vision)
+                                    trust_request_chat_template=settings.trust_request_chat_template, vision=vision,
+                                    limits=settings.limits)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None)
         self._encoder_state = threading.local()
         self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
@@ -95,6 +105,7 @@ class Service:
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
             sources = await self.images.gather(data) if self.images is not None else ()
             request = await self.encode(lambda chat_model: parse_chat_request(data, chat_model, sources))
+            request = await self.with_grammar(request)
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
             async for chunk in self.replies.stream(self.worker, request, request_id, log):
@@ -131,6 +142,15 @@ class Service:
             return {"scores": scores(logits, request.raw_scores),
                     "usage": {"prompt_tokens": log.prompt_tokens, "total_tokens": log.prompt_tokens}}
 
+    async def with_grammar(self, request: ChatRequest) -> ChatRequest:
+        """The request with its schema's grammar compiled (handler/grammar.py), if it has a schema."""
+        plan = request.output
+        if plan is None or plan.schema is None:
+            return request
+        grammar = await self.grammars.compile_json_schema(plan.schema, plan.schema_field,
+                                                          self.chat_model.limits.grammar_compile_timeout)
+        return dataclasses.replace(request, output=dataclasses.replace(plan, grammar=grammar))
+
     async def tokenize(self, data):
         """Token ids of each input string; longer than the model's embedding limit is an error unless
         `truncate_prompt_tokens` asks to keep the last tokens (engine/embedding.py, docs/errors.md)."""
@@ -144,6 +164,7 @@ class Service:
                 if not isinstance(text, str) or not text:
                     raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
             keep_last = self.truncation(data)
+            texts = self.bounded_texts(texts, keep_last)
             tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
                                                                               keep_last))
             self.check_embedding_lengths(tokens)
@@ -167,8 +188,12 @@ class Service:
             if keep_last is not None:
                 token_lists = [tokens[-keep_last:] for tokens in token_lists]
             self.check_embedding_lengths(token_lists)
+            try:  # the worker checks them too; here its refusal names the field
+                check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="input") from None
             log.prompt_tokens = sum(map(len, token_lists))
-            vectors = await self.worker.embed(token_lists)  # the worker checks the vocabulary range
+            vectors = await self.worker.embed(token_lists)
             if keep_last is None:
                 return {"embeddings": vectors}
             return {"embeddings": vectors, "usage": {"prompt_tokens": log.prompt_tokens,
@@ -188,19 +213,41 @@ class Service:
         return [*(["chat"] if self.chat_model.tokenizer.chat_template else []), "completions", "embeddings"]
 
     async def stats(self, data):
-        return self.worker.stats()
+        return self.handler_stats()
+
+    def handler_stats(self) -> dict:
+        """The engine's numbers and the handler's resident memory."""
+        return {**self.worker.stats(), "handler_rss_bytes": resident_bytes()}
 
     def truncation(self, data: dict) -> int | None:
         """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
-        vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit."""
+        vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit; without it, the model's
+        limit when the operator set HFENDPOINT_AUTO_TRUNCATE (TEI's auto-truncate)."""
         keep_last = data.get("truncate_prompt_tokens")
         limit = self.worker.max_embedding_tokens
         if keep_last is None:
-            return None
+            return limit if self.auto_truncate else None
         if type(keep_last) is not int or not (keep_last == -1 or 1 <= keep_last <= limit):
             raise RequestError(f"truncate_prompt_tokens must be -1 (the model's limit) or an integer from 1 to "
                                f"{limit}, got {keep_last!r:.100}", param="truncate_prompt_tokens")
         return limit if keep_last == -1 else keep_last
+
+    def bounded_texts(self, texts: list[str], keep_last: int | None) -> list[str]:
+        """Texts too long in characters to fit the embedding limit whatever their tokens are refused before
+        tokenizing (as chat prompts are, handler/chat.py); with truncation, only their ends that can hold the
+        tokens kept are tokenized. A tokenizer whose normalizer may delete text gives no such bound: for it, more
+        than FALLBACK_CHARS_PER_TOKEN characters per token is taken as too long (no real text is that sparse)."""
+        per_token = self.chat_model.max_chars_per_token or FALLBACK_CHARS_PER_TOKEN
+        if keep_last is not None:
+            return [text[-TRUNCATION_MARGIN * keep_last * per_token:] for text in texts]
+        limit = self.worker.max_embedding_tokens
+        for i, text in enumerate(texts):
+            if len(text) > limit * per_token:
+                raise RequestError(
+                    f"input[{i}] is {len(text)} characters, more than the {limit} tokens the model embeds can hold "
+                    f"(at most {per_token} characters a token); shorten it, or set truncate_prompt_tokens to embed "
+                    "its last tokens only", param="input", code="context_length_exceeded")
+        return texts
 
     def check_embedding_lengths(self, token_lists: list[list[int]]) -> None:
         """Inputs longer than the model embeds are refused, as OpenAI does, not cut silently."""
@@ -228,7 +275,7 @@ class Service:
         loop = asyncio.get_running_loop()
         if self._engine_report is None or self._engine_report.get_loop() is not loop:
             self._engine_report = loop.create_task(
-                report_engine(self.worker.stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
+                report_engine(self.handler_stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
 
 
 def check_token_list(tokens, where: str) -> None:

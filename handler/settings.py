@@ -2,9 +2,10 @@
 
 import ipaddress
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import parse_bool
+from handler.limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class HandlerSettings:
     max_images_per_request: int = 8            # HFENDPOINT_MAX_IMAGES_PER_REQUEST
     # HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS: networks beside the public internet that image URLs may reach
     image_url_allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    auto_truncate: bool = False                # HFENDPOINT_AUTO_TRUNCATE: embed long inputs' last tokens, not refuse
+    limits: RequestLimits = field(default_factory=RequestLimits)  # HFENDPOINT_MAX_...: handler/limits.py
 
     @classmethod
     def from_env(cls, env=os.environ) -> "HandlerSettings":
@@ -30,7 +33,9 @@ class HandlerSettings:
                    image_fetch_timeout=_seconds(env, "HFENDPOINT_IMAGE_FETCH_TIMEOUT", cls.image_fetch_timeout),
                    max_images_per_request=_count(env, "HFENDPOINT_MAX_IMAGES_PER_REQUEST", cls.max_images_per_request,
                                                  minimum=0),
-                   image_url_allowed_networks=_networks(env, "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"))
+                   image_url_allowed_networks=_networks(env, "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"),
+                   auto_truncate=_boolean(env, "HFENDPOINT_AUTO_TRUNCATE", cls.auto_truncate),
+                   limits=RequestLimits.from_env(env))
 
 
 def _boolean(env, name: str, default: bool) -> bool:

@@ -142,10 +142,13 @@ def tool_call_for_template(call, where: str) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RequestError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                           f'"arguments": ...}}}}')
+                           f'"arguments": ...}}}}', param="messages")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        arguments = json_object_or_text(arguments)
+        try:
+            arguments = json_object_or_text(arguments)
+        except RecursionError:
+            raise RequestError(f"{where}.function.arguments nests too deeply to read", param="messages") from None
     elif arguments is not None and not isinstance(arguments, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON string, got {type_name(arguments)}",
                            param="messages")

@@ -2,6 +2,7 @@
 import asyncio
 import importlib.util
 import os
+import threading
 
 import pytest
 import torch
@@ -180,3 +181,64 @@ def test_bare_decoder_serves_embeddings_only(make_worker, tiny_llama, tmp_path):
     with torch.inference_mode():
         hidden = tiny_llama.hf_model.model(torch.tensor([[3, 4, 5]])).last_hidden_state[0, -1]
     assert torch.allclose(torch.tensor(vector), torch.nn.functional.normalize(hidden, dim=0), atol=1e-5)
+
+
+def test_embedding_batches_interleave_with_generation_steps(make_worker, tiny_llama, prompts_of_lengths):
+    """Each engine iteration runs one embeddings batch, then a generation step: a call of many batches does
+    not hold the engine until its last one."""
+    worker = make_worker(tiny_llama.path, max_embedding_batch_tokens=16)
+    inputs = prompts_of_lengths([worker.embedder.max_batch_tokens] * 12)  # twelve batches of one input
+    batches = record_embedding_batches(worker)
+
+    async def main():
+        queue = worker.submit("chat", prompts_of_lengths([5])[0], SamplingParams(temperature=0, max_tokens=4))
+        embedding = asyncio.ensure_future(worker.embed(inputs))
+        tokens, _ = await collect(queue)
+        batches_before_the_last_token = len(batches)
+        return tokens, batches_before_the_last_token, await embedding
+
+    tokens, batches_then, vectors = asyncio.run(main())
+    assert len(tokens) == 4 and batches_then < 12, "the chat finished while the embeddings call went on"
+    assert batches == [1] * 12
+    assert torch.allclose(torch.tensor(vectors), worker.embedder.embed(inputs), atol=1e-5), "in the caller's order"
+
+
+def test_a_cancelled_embeddings_call_stops_at_its_next_batch(make_worker, tiny_llama, prompts_of_lengths):
+    worker = make_worker(tiny_llama.path, max_embedding_batch_tokens=16)
+    inputs = prompts_of_lengths([worker.embedder.max_batch_tokens] * 12)
+    batches = record_embedding_batches(worker)
+    cancelled = threading.Event()
+    embed = worker.embedder.embed
+
+    def embed_until_cancelled(token_lists):  # the first batch ends only once its caller has gone
+        vectors = embed(token_lists)
+        if len(batches) == 1:
+            assert cancelled.wait(30)
+        return vectors
+
+    worker.embedder.embed = embed_until_cancelled
+
+    async def main():
+        call = asyncio.ensure_future(worker.embed(inputs))
+        while not batches:
+            await asyncio.sleep(0.001)
+        call.cancel()
+        cancelled.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.5)  # time for more batches, were any still to run
+
+    asyncio.run(main())
+    assert batches == [1], "the batch running when it was cancelled, none after"
+
+
+def record_embedding_batches(worker) -> list[int]:
+    """The size of each batch the worker's embedder runs, appended as it runs them."""
+    batches, embed = [], worker.embedder.embed
+
+    def recording(token_lists):
+        batches.append(len(token_lists))
+        return embed(token_lists)
+
+    worker.embedder.embed = recording
+    return batches

@@ -10,6 +10,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from handler.chat import ChatModel, RequestError, max_chars_per_token, parse_chat_request, sampling_defaults
+from handler.limits import RequestLimits
 from handler.tokenizer import embedding_token_ids
 
 MAX_MODEL_LEN = 128
@@ -192,10 +193,26 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
     ({**user("hi"), "chat_template_kwargs": "x"}, "chat_template_kwargs must be a map"),
     ({**user("hi"), "chat_template_kwargs": {"tokenize": True}}, "the chat template rejected them"),
     (user("word " * 200), "messages: the prompt is .* tokens.* maximum context length of 128"),
+    ({**user("hi"), "stop": ["x" * 1025]}, "stop: a stop string is at most 1024 characters"),
+    ({**user("hi"), "user": "u", "metadata": {"deep": json.loads("[" * 200 + "]" * 200)}},
+     "metadata nests lists and maps more than 100 levels deep"),
 ])
 def test_bad_requests_name_the_problem(model, data, field):
-    with pytest.raises(RequestError, match=field):
+    """Every refusal of a request map is a 400 whose `param` is the field its message starts with."""
+    with pytest.raises(RequestError, match=field) as raised:
         parse_chat_request(data, model)
+    assert raised.value.status == 400
+    if isinstance(data, dict):
+        assert raised.value.param and str(raised.value).startswith(raised.value.param), str(raised.value)
+
+
+def test_a_trusted_templates_output_is_bounded(model):
+    """A trusted template can write any amount ('a' * 3*10**8): past HFENDPOINT_MAX_PROMPT_CHARS it is refused."""
+    trusting = dataclasses.replace(model, trust_request_chat_template=True, max_chars_per_token=None,
+                                   limits=RequestLimits(max_prompt_chars=1000))
+    with pytest.raises(RequestError, match="the chat template wrote a prompt of 5000 characters") as raised:
+        parse_chat_request({**user("hi"), "chat_template": "{{ 'a' * 5000 }}"}, trusting)
+    assert raised.value.param == "messages"
 
 
 LOOPING_TEMPLATE = "{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}"

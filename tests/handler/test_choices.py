@@ -1,7 +1,10 @@
 """A completion's choices from engine outputs to reply chunks: reasoning, tool calls, logprobs, finish reasons,
 and how chunks of several choices end (docs/chat-extensions.md)."""
+import asyncio
+
 import pytest
 
+from daemon_protocol import RequestError
 from engine import RequestOutput
 from handler.choices import ChatReplies, Choice
 from handler.grammar import Grammars
@@ -20,8 +23,12 @@ def outputs(request_id, token_ids, finish_reason, logprobs=False):
 
 
 @pytest.fixture(scope="module")
-def replies(smollm2_tokenizer):
-    grammars = Grammars(smollm2_tokenizer, len(smollm2_tokenizer), (smollm2_tokenizer.eos_token_id,))
+def grammars(smollm2_tokenizer):
+    return Grammars(smollm2_tokenizer, len(smollm2_tokenizer), (smollm2_tokenizer.eos_token_id,))
+
+
+@pytest.fixture(scope="module")
+def replies(smollm2_tokenizer, grammars):
     return ChatReplies(smollm2_tokenizer, grammars.token_bytes)
 
 
@@ -87,3 +94,16 @@ def test_only_the_requests_last_chunk_has_finish_reason_and_usage(smollm2_tokeni
         (0, None, "stop")]
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": len(first) + len(second),
                                    "total_tokens": 3 + len(first) + len(second)}
+
+
+def test_a_grammar_that_dead_ends_is_the_schemas_fault(smollm2_tokenizer, replies, grammars):
+    """A token the grammar refused (it allowed none) ends the engine request with "error": the reply is a 400
+    naming the schema's field, not an engine failure."""
+    grammar = asyncio.run(grammars.compile_json_schema('{"type": "string"}', "response_format", 60.0))
+    one = choice(replies, OutputPlan(schema='{"type": "string"}', schema_field="response_format", grammar=grammar))
+    token = smollm2_tokenizer.convert_tokens_to_ids("x")  # a string starts with '"'
+    assert not one.constraint.accept_token(token)
+    failed = RequestOutput("r", [token], "error", f"token {token} broke the request's constraint", 3, 1, 0)
+    with pytest.raises(RequestError, match="response_format: the JSON schema's grammar reached a point") as raised:
+        one.consume([failed])
+    assert raised.value.param == "response_format" and raised.value.status == 400

@@ -10,6 +10,7 @@ from model_packages import minilm_dir_or_skip
 from engine import EngineConfig, Worker
 from handler.chat import RequestError
 from handler.service import EngineUnavailable, Service
+from handler.settings import HandlerSettings
 from handler.tokenizer import load_tokenizer
 
 LONG_TEXT = "word " * 150 + "the last words " * 50  # 302 tokens with [CLS] and [SEP]; the model takes 256
@@ -97,3 +98,31 @@ def test_a_stopped_engine_answers_503(minilm):
     with pytest.raises(EngineUnavailable, match="the engine cannot serve requests: the engine has shut down") as raised:
         asyncio.run(service.embeddings({"input": [[101, 102]]}))
     assert (raised.value.status, raised.value.code) == (503, "engine_unavailable")
+
+
+def test_a_text_too_long_in_characters_is_refused_before_tokenizing(minilm, monkeypatch):
+    """Its tokenizer gives no proven bound (its normalizer may delete text): past the fallback characters per token
+    of the model's limit, a text is refused without being tokenized."""
+    _, service = minilm
+    monkeypatch.setattr("handler.service.embedding_token_ids", lambda *args: pytest.fail("tokenized"))
+    with pytest.raises(RequestError, match=r"input\[1\] is 5000000 characters, more than the 256 tokens") as raised:
+        asyncio.run(service.tokenize({"input": ["short", "x" * 5_000_000]}))
+    assert (raised.value.param, raised.value.code) == ("input", "context_length_exceeded")
+
+
+def test_truncating_a_long_text_tokenizes_only_its_end(minilm):
+    path, service = minilm
+    text = "many words here " * 20_000
+    full = service.tokenizer(text)["input_ids"]
+    expected = full[:1] + full[1:-1][-254:] + full[-1:]
+    tokens = asyncio.run(service.tokenize({"input": [text], "truncate_prompt_tokens": -1}))["tokens"]
+    assert tokens == [expected]
+
+
+def test_auto_truncate_truncates_without_being_asked(minilm):
+    path, service = minilm
+    auto = Service(service.worker, load_tokenizer(path), "all-MiniLM-L6-v2", HandlerSettings(auto_truncate=True))
+    tokens = asyncio.run(auto.tokenize({"input": [LONG_TEXT]}))["tokens"]
+    assert len(tokens[0]) == 256
+    reply = asyncio.run(auto.embeddings({"input": [[101] + [1000] * 300 + [102]]}))
+    assert reply["usage"]["prompt_tokens"] == 256 and len(reply["embeddings"]) == 1

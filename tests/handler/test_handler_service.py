@@ -121,6 +121,11 @@ def test_client_disconnect_frees_the_kv_blocks(client, smollm2_service):
     ({"messages": CAPITAL, "extra_body": {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}},
      "chat_template_kwargs.chat_template",
      "chat_template_kwargs.chat_template: this server does not run chat templates sent with requests"),
+    ({"messages": CAPITAL, "stop": ["y" * 30_000]}, "stop", "a stop string is at most 1024 characters"),
+    ({"messages": CAPITAL, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                      "schema": {"$ref": "#"}}}},
+     "response_format", "no JSON value satisfies this schema"),
+    ({"messages": CAPITAL, "logit_bias": {"x": 1}}, "logit_bias", "is not a token id"),
 ])
 def test_bad_requests_get_a_400_naming_the_field_and_the_next_succeeds(client, stream, request_kwargs, param, problem):
     with pytest.raises(openai.BadRequestError) as error:
@@ -183,8 +188,9 @@ def test_embeddings_have_the_hidden_size_unit_norm_and_are_deterministic(client)
 
 
 def test_bad_embedding_inputs_are_rejected(client, smollm2_service):
-    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+    with pytest.raises(openai.BadRequestError, match="vocabulary") as raised:
         client.embeddings.create(model="smollm2", input=[[1, 2, 10**9]])
+    assert raised.value.param == "input"
     with pytest.raises(openai.BadRequestError, match=r"input\[1\] is 513 tokens, more than the model's maximum of 512"):
         client.embeddings.create(model="smollm2", input=[[1], [1] * 513])
     assert smollm2_service.call("tokenize", {"input": ["hi"]})["tokens"] == [smollm2_service.call(

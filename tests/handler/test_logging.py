@@ -15,6 +15,7 @@ import pytest
 from model_packages import minilm_dir_or_skip
 
 import handler.__main__ as handler_main
+from handler.library_warnings import LibraryWarnings
 from handler.logs import report_engine
 
 TIMESTAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
@@ -83,7 +84,7 @@ def test_stdio_mode_keeps_stdout_for_the_protocol_and_logs_on_stderr(tmp_path):
 
 def test_the_engine_line_comes_while_there_is_work_and_not_when_idle(caplog):
     engine = {"running": 3, "waiting": 1, "num_free_blocks": 60, "num_total_blocks": 80, "prefix_cache_hit_rate": 0.5,
-              "num_preemptions": 2}
+              "num_preemptions": 2, "handler_rss_bytes": 300 << 20}
     tokens = [0]
 
     async def serve_for_a_while():
@@ -100,8 +101,8 @@ def test_the_engine_line_comes_while_there_is_work_and_not_when_idle(caplog):
     lines = [record.message for record in caplog.records if record.name == "handler.engine"]
     assert len(lines) == 1, lines
     assert re.fullmatch(r"running 3, waiting 1, KV cache 20/80 blocks \(25%\), prefix-cache hit rate 50%, "
-                        r"preemptions 2, \d+\.\d output tokens/s", lines[0]), lines[0]
-    rate = float(lines[0].split(", ")[-1].split()[0])
+                        r"preemptions 2, \d+\.\d output tokens/s, handler RSS 300 MiB", lines[0]), lines[0]
+    rate = float(lines[0].split(", ")[-2].split()[0])
     assert 50 / 5 < rate <= 50 / 0.1, "50 tokens in one interval of at least 0.1 s"
 
 
@@ -118,3 +119,16 @@ def test_a_line_every_interval_while_the_weights_load(monkeypatch, caplog):
         time.sleep(0.15)
     assert count >= 2 and all("still loading tiny" in record.message for record in caplog.records)
     assert len(caplog.records) == count, "no line once loaded"
+
+
+def test_library_warnings_are_logged_once_per_kind_with_a_count():
+    """A client can make a library warn at will: the first of each kind passes, then each power of ten, counted."""
+    warnings = LibraryWarnings()
+    once = warnings.logging_filter(("handler",))
+    records = [logging.LogRecord("transformers.tokenization", logging.WARNING, "x", 1, "Token indices %d too long",
+                                 (n,), None) for n in range(25)]
+    passed = [record.getMessage() for record in records if once.filter(record)]
+    assert passed == ["Token indices 0 too long", "Token indices 9 too long (seen 10 times)"]
+    ours = logging.LogRecord("handler.access", logging.WARNING, "x", 1, "ours", (), None)
+    assert all(once.filter(ours) for _ in range(5)), "our own lines are never held back"
+    assert warnings.counts() == {"transformers: Token indices _ too long": 25}

@@ -1,5 +1,7 @@
 """The reply features of a chat request: tools in the template, grammars, logprobs, n, logit_bias, and their errors."""
+import asyncio
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +11,9 @@ from handler.chat import ChatModel, RequestError, parse_chat_request
 from handler.grammar import Grammars
 
 MAX_MODEL_LEN = 256
+COMPILE_TIMEOUT_S = 60.0
+DEEP_LIST = json.loads("[" * 101 + "]" * 101)  # one level more than the default HFENDPOINT_MAX_NESTING_DEPTH
+DEEP_ARGUMENTS = "[" * 100_000 + "]" * 100_000  # deeper than Python's recursion limit
 HERMES_TEMPLATE = (
     "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -43,7 +48,13 @@ def hermes(smollm2_tokenizer, grammars):
 
 
 def parse(model, **fields):
-    return parse_chat_request({"messages": ASK, **fields}, model)
+    """The parsed request with its grammar compiled, as the service does (handler/service.py)."""
+    request = parse_chat_request({"messages": ASK, **fields}, model)
+    plan = request.output
+    if plan.schema is None:
+        return request
+    grammar = asyncio.run(model.grammars.compile_json_schema(plan.schema, plan.schema_field, COMPILE_TIMEOUT_S))
+    return dataclasses.replace(request, output=dataclasses.replace(plan, grammar=grammar))
 
 
 def prompt(model, request):
@@ -173,10 +184,42 @@ BAD = [
     ({"stream": True, "stream_options": {"continuous": True}}, "stream_options.continuous is not supported"),
     ({"messages": ASK + [{"role": "tool", "content": "x"}]}, r"messages\[1\].tool_call_id must be"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "only assistant messages carry tool calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": DEEP_ARGUMENTS}}]}]},
+     r"messages\[0\].tool_calls\[0\].function.arguments nests too deeply"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                       "arguments": json.dumps({"a": DEEP_LIST})}}]}]},
+     "messages nests lists and maps more than 100 levels deep"),
+    ({"metadata": {"a": DEEP_LIST}}, "metadata nests lists and maps more than 100 levels deep"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": DEEP_LIST}}}]},
+     "tools nests lists and maps"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+     "response_format: no JSON value satisfies this schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+     "response_format: no JSON value satisfies this schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools: no JSON value satisfies"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a"}}}},
+     "response_format: xgrammar cannot compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": [1]}}}},
+     "response_format: xgrammar cannot compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 100] * 3000}}}},
+     r"response_format: the JSON schema is \d+ bytes, more than this server's 262144"),
+    ({"logit_bias": {"5": float("nan")}}, r"logit_bias\['5'\] must be a number"),
+    ({"logit_bias": {"5": float("inf")}}, r"logit_bias\['5'\] must be a number"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias: '1111.* is not a token id"),
+    ({"logit_bias": {"²": 1}}, "logit_bias: '²' is not a token id"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, r"logit_bias: at most 1024 entries"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(513)]}, "tools: at most 512"),
+    ({"stop": "x" * 1025}, "stop: a stop string is at most 1024 characters"),
+    ({"stop": ["x"] * 17}, "stop: at most 16 stop strings"),
 ]
 
 
 @pytest.mark.parametrize("fields, problem", BAD)
 def test_bad_requests_name_the_field(model, fields, problem):
-    with pytest.raises(RequestError, match=problem):
+    """Every refusal is a 400 whose `param` is the request field its message starts with."""
+    with pytest.raises(RequestError, match=problem) as raised:
         parse(model, **fields)
+    assert raised.value.status == 400 and raised.value.param
+    assert str(raised.value).startswith(raised.value.param), (raised.value.param, str(raised.value))

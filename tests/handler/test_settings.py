@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from handler.limits import RequestLimits
 from handler.settings import HandlerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,11 +30,22 @@ def test_image_limits():
     assert HandlerSettings.from_env({}).image_url_allowed_networks == ()
 
 
+def test_request_limits_and_auto_truncate():
+    env = {"HFENDPOINT_MAX_N": "4", "HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT": "2.5", "HFENDPOINT_MAX_STOP_CHARS": "99",
+           "HFENDPOINT_AUTO_TRUNCATE": "true"}
+    settings = HandlerSettings.from_env(env)
+    assert settings.auto_truncate and (settings.limits.max_n, settings.limits.max_stop_chars) == (4, 99)
+    assert settings.limits.grammar_compile_timeout == 2.5
+    assert HandlerSettings.from_env({}).limits == RequestLimits()
+
+
 @pytest.mark.parametrize("name, value", [
     ("HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE", "maybe"), ("HFENDPOINT_DRAIN_TIMEOUT", "soon"),
     ("HFENDPOINT_DRAIN_TIMEOUT", "-1"), ("HFENDPOINT_DRAIN_TIMEOUT", "inf"), ("HFENDPOINT_DRAIN_TIMEOUT", "nan"),
     ("HFENDPOINT_IMAGE_MAX_BYTES", "0"), ("HFENDPOINT_IMAGE_MAX_PIXELS", "many"),
     ("HFENDPOINT_MAX_IMAGES_PER_REQUEST", "-1"), ("HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS", "10.0.0.1/8"),
+    ("HFENDPOINT_MAX_N", "0"), ("HFENDPOINT_MAX_TOOLS", "many"), ("HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT", "nan"),
+    ("HFENDPOINT_AUTO_TRUNCATE", "sometimes"),
 ])
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=f"^{name}='{value}' is invalid: expected"):

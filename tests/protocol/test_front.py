@@ -144,7 +144,8 @@ def test_client_disconnect_mid_stream_cancels_the_worker_request(front_server, c
     ('{"messages": [1]}', "messages"),
     ('{"messages": [], "stream": "yes"}', "stream"),
     ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
-    ('{"messages": [], "max_tokens": 1180591620717411303424}', None),  # 2**70: no MessagePack integer holds it
+    ('{"messages": [], "max_tokens": 1180591620717411303424}', "max_tokens"),  # 2**70: no MessagePack integer
+    ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),  # a lone surrogate: not Unicode
 ])
 def test_bad_chat_bodies_get_400(front_server, body, param):
     status, text = post(front_server, "/v1/chat/completions", body)
@@ -167,6 +168,42 @@ def test_missing_or_wrong_api_key_gets_401(front_server):
         status, text = post(front_server, "/v1/chat/completions", body, key=key)
         assert status == 401
         assert json.loads(text)["error"]["code"] == "invalid_api_key"
+
+
+def test_a_lone_surrogate_is_named_as_such(front_server):
+    status, text = post(front_server, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}]}')
+    assert status == 400 and "lone surrogate" in json.loads(text)["error"]["message"]
+
+
+def test_every_route_but_health_needs_the_key(front_server):
+    for path in ("/metrics", "/v1/models", "/v1/no-such-route"):
+        assert curl(f"{front_server.base_url}{path}")[0] == 401, path
+        assert curl("-H", f"Authorization: Bearer {KEY}", f"{front_server.base_url}/metrics")[0] == 200
+    for path in ("/", "/health"):
+        assert curl(f"{front_server.base_url}{path}")[0] == 200, path
+
+
+def test_the_operator_can_open_metrics(spawn_front_server):
+    daemon = spawn_front_server(api_key=KEY, extra=["--open-metrics"])
+    assert curl(f"{daemon.base_url}/metrics")[0] == 200
+    assert curl(f"{daemon.base_url}/v1/models")[0] == 401
+
+
+def test_an_authorization_header_that_is_not_utf8_gets_401(front_server):
+    connection = http.client.HTTPConnection("127.0.0.1", front_server.port, timeout=10)
+    connection.putrequest("GET", "/v1/models")
+    connection.putheader("Authorization", b"Bearer \xff\xfe" + KEY.encode())
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 401
+    assert json.loads(response.read())["error"]["code"] == "invalid_api_key"
+
+
+def test_responses_name_max_output_tokens(front_server):
+    status, text = post(front_server, "/v1/responses", '{"input": "hi", "max_output_tokens": 0}')
+    error = json.loads(text)["error"]
+    assert (status, error["param"]) == (400, "max_output_tokens")
+    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"].replace("max_output", "")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -240,10 +277,10 @@ def test_metrics_count_requests_and_time_tokens_and_carry_the_engine_stats(spawn
     assert samples[("nanovllm_request_duration_seconds_count", frozenset({("route", chat)}))] == 4
     engine = {name: samples[(f"nanovllm_{name}", frozenset())] for name in (
         "num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total",
-        "prefix_cache_hit_rate", "preemptions_total", "worker_ready")}
+        "prefix_cache_hit_rate", "preemptions_total", "worker_ready", "handler_resident_memory_bytes")}
     assert engine == {"num_requests_running": 2, "num_requests_waiting": 1, "kv_cache_blocks_used": 30,
                       "kv_cache_blocks_total": 100, "prefix_cache_hit_rate": 0.25, "preemptions_total": 3,
-                      "worker_ready": 1}
+                      "worker_ready": 1, "handler_resident_memory_bytes": 123 << 20}
 
 
 def test_a_busy_port_is_a_one_line_error(tmp_path):

@@ -62,16 +62,26 @@ def test_unknown_handler_gets_the_exact_error_bytes(handler):
     assert handler.read_count(1) == [{"id": 6, "data": "still here"}]
 
 
-def test_non_maps_and_unusable_ids_are_logged_and_skipped(handler):
+def test_an_unknown_handler_name_is_quoted_cut_short(handler):
+    handler.send({"id": 5, "name": "n" * 100_000, "data": None})
+    [reply] = handler.read_count(1)
+    assert reply["error"] == f"no handler for '{'n' * 64}...' (a name of 100000 characters, cut short)"
+
+
+def test_non_maps_and_unusable_ids_are_counted_and_skipped(handler):
     handler.send([1, 2], "text", 5, None, {"name": "echo", "data": 1}, {"id": -1, "name": "echo"},
                  {"id": "7", "name": "echo"}, {"id": True, "name": "echo"}, {"id": 1.5, "name": "echo"},
                  {"id": 9, "name": "echo", "data": "ok"})
     assert handler.read_count(1) == [{"id": 9, "data": "ok"}]
     handler.send({"id": 10, "name": "echo", "data": "after"})
     assert handler.read_count(1) == [{"id": 10, "data": "after"}]
+    handler.send(*range(6))  # the 10th junk object: logged again, with the count
+    handler.send({"id": 11, "name": "echo", "data": "last"})
+    assert handler.read_count(1) == [{"id": 11, "data": "last"}]
     log = handler.stderr()
-    assert log.count("skipping a message that is not a request map") == 4
-    assert log.count("skipping a request without a usable id") == 5
+    assert log.count("skipping a message that is not a request map") == 2, "the 1st and the 10th"
+    assert "(10 so far; logged again at each power of ten)" in log
+    assert log.count("skipping a request without a usable id") == 1
 
 
 def test_missing_name_and_invalid_data_get_error_replies_others_unaffected(handler):

@@ -37,7 +37,7 @@ import daemon_protocol  # importable without installing the package
 
 cleanups: list[str] = []
 ECHO_STATS = {"running": 2, "waiting": 1, "num_free_blocks": 70, "num_total_blocks": 100,
-              "prefix_cache_hit_rate": 0.25, "num_preemptions": 3}
+              "prefix_cache_hit_rate": 0.25, "num_preemptions": 3, "handler_rss_bytes": 123 << 20}
 
 
 def record_cleanup(tag: str) -> None:
@@ -88,6 +88,9 @@ async def chat_completions(data):
     last = text_of(data["messages"][-1].get("content"))
     if model == "fail":
         raise ValueError("echo worker was asked to fail")
+    if isinstance(data.get("max_tokens"), int) and data["max_tokens"] < 1:  # as the real handler refuses it
+        raise daemon_protocol.RequestError(f"max_tokens must be at least 1, got {data['max_tokens']}",
+                                           param="max_tokens")
     if model == "error":
         raise RuntimeError("echo worker broke")
     if model == "unavailable":
