@@ -132,7 +132,9 @@ class BlockManager:
         or, with a window, every block inside the window of the first token left to compute (None stands for
         the blocks before it, which are never read; the chained hashes of the later ones cover their tokens).
         The last token is never covered, so the step that admits seq always computes at least one token and
-        gets logits."""
+        gets logits. A request that still needs its prompt's logits (prompt logprobs) is served nothing."""
+        if seq.needs_prompt_logits:
+            return []
         size = self.block_size
         num_blocks = (len(seq) - 1) // size
         found: list[Block | None] = []

@@ -74,6 +74,11 @@ def forward_decoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor
     return model(input_ids, positions, meta), cu_seqlens
 
 
+def encoder_limit(config, model) -> int:
+    """The longest input an encoder takes: its position table's, or HFENDPOINT_MAX_MODEL_LEN when set and shorter."""
+    return min(config.max_model_len or model.max_positions, model.max_positions)
+
+
 def forward_encoder(model, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
     """Hidden states [T, H] of packed sequences through an encoder, and their cu_seqlens."""
     input_ids, positions, cu_seqlens, max_len = pack(token_lists, next(model.parameters()).device)
@@ -85,8 +90,10 @@ class Embedder:
     max_seq_length its pooling config sets; longer inputs are refused (truncation is the caller's choice)."""
 
     def __init__(self, forward: Forward, pooling: PoolingConfig, model_limit: int, max_batch_tokens: int,
-                 hidden_size: int, vocab_size: int):
-        self.forward, self.pooling = forward, pooling
+                 hidden_size: int, vocab_size: int, head: Callable[[Tensor], Tensor] | None = None):
+        """head: what turns pooled vectors into the outputs (a cross-encoder's classifier: hidden_size is then its
+        number of labels); None: the pooled vectors are the outputs."""
+        self.forward, self.pooling, self.head = forward, pooling, head
         self.max_model_len = min(model_limit, pooling.max_seq_length or model_limit)
         self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -105,13 +112,21 @@ class Embedder:
         first requests."""
         model = loaded.model
         pooling = read_pooling_config(loaded.model_dir, DEFAULT_ENCODER_POOLING)
-        limit = min(config.max_model_len or model.max_positions, model.max_positions)
-        embedder = cls(lambda batch: forward_encoder(model, batch), pooling, limit, config.max_embedding_batch_tokens,
-                       loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
+        embedder = cls(lambda batch: forward_encoder(model, batch), pooling, encoder_limit(config, model),
+                       config.max_embedding_batch_tokens, loaded.hf_config.hidden_size, loaded.hf_config.vocab_size)
         if next(model.parameters()).device.type == "cuda":
             for length in sorted({min(2 ** i, embedder.max_model_len) for i in range(4, 8)}):
                 embedder.embed([[0] * length])
         return embedder
+
+    @classmethod
+    def for_classifier(cls, config, loaded) -> "Embedder":
+        """A cross-encoder's scorer: the classifier head's logits [n, num_labels] from each pair's first token."""
+        model = loaded.model
+        return cls(lambda batch: forward_encoder(model, batch), PoolingConfig("cls", normalize=False,
+                                                                              max_seq_length=None),
+                   encoder_limit(config, model), config.max_embedding_batch_tokens, model.num_labels,
+                   loaded.hf_config.vocab_size, head=model.classify)
 
     @torch.inference_mode()
     def embed(self, token_lists: list[list[int]]) -> Tensor:
@@ -121,6 +136,7 @@ class Embedder:
         for group in longest_first_batches(token_lists, self.max_batch_tokens):
             hidden, cu_seqlens = self.forward([token_lists[i] for i in group])
             vectors = pool(hidden, cu_seqlens, self.pooling.mode)
+            vectors = self.head(vectors) if self.head is not None else vectors
             normalized = F.normalize(vectors, dim=-1) if self.pooling.normalize else vectors
             out[torch.tensor(group)] = normalized.float().cpu()
         return out

@@ -40,10 +40,11 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False, constraints: list | None = None, images: list | None = None
                  ) -> list[dict]:
-        """Runs every prompt to completion; returns [{"text", "token_ids", "logprobs"}] in prompt order (text is
-        None for a model without a tokenizer; logprobs, per token, where the params ask). constraints: one per
-        prompt (or None), engine/constraints.py. images: per prompt, its images (engine/images.py's
-        PromptImage, in the order of their runs of image tokens), for a model that reads images."""
+        """Runs every prompt to completion; returns [{"text", "token_ids", "logprobs", "prompt_logprobs"}] in prompt
+        order (text is None for a model without a tokenizer; logprobs, per token, and prompt_logprobs, per prompt
+        token, where the params ask). constraints: one per prompt (or None), engine/constraints.py. images: per
+        prompt, its images (engine/images.py's PromptImage, in the order of their runs of image tokens), for a model
+        that reads images."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         constraints = constraints or [None] * len(prompts)
@@ -69,7 +70,8 @@ class LLM:
         if progress:
             print(file=sys.stderr)
         return [{"text": self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-                 if self.tokenizer else None, "token_ids": seq.output_token_ids, "logprobs": seq.logprobs}
+                 if self.tokenizer else None, "token_ids": seq.output_token_ids, "logprobs": seq.logprobs,
+                 "prompt_logprobs": seq.prompt_logprobs}
                 for seq in seqs]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:

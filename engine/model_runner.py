@@ -33,7 +33,8 @@ from engine.cuda_graphs import CudaGraphs
 from engine.embedding import forward_decoder
 from engine.images import StepImages, step_images
 from engine.kv_cache import allocate_kv_cache
-from engine.sampler import Sampler
+from engine.prompt_logprobs import PromptLogitRows, compute_prompt_logprobs, prompt_logit_rows, record_prompt_logprobs
+from engine.sampler import Sampler, logprob_entry
 from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
 from engine.startup_log import note, took
@@ -67,6 +68,8 @@ class LaunchedStep:
     logits: Tensor | None = None  # of the sampling rows, until sample() has used them
     logprobs: Tensor | None = None  # sampler.top_logprobs of the rows that ask (logprob_rows), beside ids
     logprob_rows: list[int] | None = None
+    prompt_rows: PromptLogitRows | None = None  # the rows whose logits give prompt logprobs (engine/prompt_logprobs.py)
+    prompt_logprobs: Tensor | None = None  # theirs, beside ids
     drafts: list[list[int]] | None = None  # a verification step: the draft tokens each sampling row verifies
 
     @property
@@ -170,18 +173,21 @@ class ModelRunner:
                                     as_rows)
         images = self._step_images(seqs, num_tokens, ahead) if self.vision is not None and not staged.is_decode \
             else None
-        logits = self.collective("execute", staged, images)
+        prompt_rows = prompt_logit_rows(seqs, num_tokens, ahead)
+        logits, prompt_logprobs = self.collective("execute", staged, images, prompt_rows)
         if not staged.sample_rows:
-            return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True)
+            return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True, prompt_rows=prompt_rows,
+                                prompt_logprobs=prompt_logprobs)
         sampling = seqs if len(staged.sample_rows) == len(seqs) else [seqs[i] for i in staged.sample_rows]
         if any(seq.draft_token_ids for seq in sampling):
-            step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, False, sampling, logits=logits)
+            step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, False, sampling, logits=logits,
+                                prompt_rows=prompt_rows, prompt_logprobs=prompt_logprobs)
             self.verify(step)
             return step
         drawn_ahead = [1] * len(follows) + [0] * (len(sampling) - len(follows))  # the leading rows all sample
         plan = self.sampler.plan_for(sampling)
         step = LaunchedStep(seqs, num_tokens, staged.sample_rows, None, None, not plan.penalised, sampling,
-                            drawn_ahead, logits)
+                            drawn_ahead, logits, prompt_rows=prompt_rows, prompt_logprobs=prompt_logprobs)
         if ahead is None or not plan.constrained:
             self.sample(step)
         return step
@@ -227,6 +233,8 @@ class ModelRunner:
         logprobs (the sampled token's, the top ids, theirs; None where not asked), or None when none asked."""
         if step.ready is not None:
             step.ready.synchronize()
+        if step.prompt_logprobs is not None:
+            record_prompt_logprobs(step.seqs, step.prompt_rows, step.prompt_logprobs.cpu())
         sampled = [None] * len(step.seqs)
         if step.drafts is not None:
             return self._verified(step, sampled)
@@ -269,9 +277,7 @@ class ModelRunner:
             return None
         per_row = [None] * len(row_seqs)
         for row, values in zip(step.logprob_rows, step.logprobs.tolist()):
-            k, width = row_seqs[row].params.logprobs, (len(values) - 1) // 2
-            top_ids = [int(token_id) for token_id in values[1 + width:1 + width + k]]
-            per_row[row] = (values[0], top_ids, values[1:1 + k])
+            per_row[row] = logprob_entry(values, row_seqs[row].params.logprobs)
         return per_row
 
     def _to_host(self, ids: Tensor, logprobs: Tensor | None) -> tuple[Tensor, Tensor | None,
@@ -297,10 +303,12 @@ class ModelRunner:
         return step_images(seqs, starts, num_tokens, self.vision)
 
     @torch.inference_mode()
-    def execute(self, staged: StagedStep, images: StepImages | None = None) -> Tensor | None:
-        """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay),
-        and the logits of the rows that sample (on rank 0; None elsewhere and when no row samples). images: the
-        step's image rows (only a single-rank engine has an image encoder)."""
+    def execute(self, staged: StagedStep, images: StepImages | None = None, prompt_rows: PromptLogitRows | None = None
+                ) -> tuple[Tensor | None, Tensor | None]:
+        """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay), the
+        logits of the rows that sample and the prompt logprobs of prompt_rows (on rank 0; None elsewhere, when no
+        row samples and when no request asks). images: the step's image rows (only a single-rank engine has an
+        image encoder)."""
         if not self.is_driver:
             self.buffers.restage(staged)
         step = self.buffers.upload(staged)
@@ -313,7 +321,8 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, step.meta, (images.rows, images.embeds))
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
-        return self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+        logits = self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None
+        return logits, compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else None
 
     def _take_sampled_ids(self, ids: Tensor) -> None:
         """Input ids staged as rows of the last step's sampled ids become those ids on the device; rank 0,

@@ -226,15 +226,27 @@ def logit_bias(params, uploads: UploadRing) -> tuple[Tensor, Tensor, Tensor] | N
 
 
 def top_logprobs(logits: Tensor, sampled: Tensor, plan: SamplingPlan) -> Tensor:
-    """For the plan's logprob rows, in that order, float32 [R, 1 + 2 k]: the sampled token's logprob, then the
-    k most likely tokens' logprobs (descending), then their ids (exact as float32 below 2**24)."""
+    """The logprob_table of the plan's logprob rows, in that order, at their sampled tokens."""
     if len(plan.logprob_rows) < len(sampled):
         rows = plan.logprob_rows_on_device
         logits, sampled = logits[rows], sampled[rows]
+    return logprob_table(logits, sampled, plan.num_top_logprobs)
+
+
+def logprob_table(logits: Tensor, token_ids: Tensor, k: int) -> Tensor:
+    """float32 [N, 1 + 2 k]: each row's logprob of its token, then the k most likely tokens' logprobs (descending),
+    then their ids (exact as float32 below 2**24)."""
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    chosen = logprobs.gather(1, sampled[:, None])
-    top, ids = logprobs.topk(plan.num_top_logprobs, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    top, ids = logprobs.topk(k, dim=-1)
     return torch.cat((chosen, top, ids.float()), dim=1)
+
+
+def logprob_entry(values: list[float], k: int) -> tuple[float, list[int], list[float]]:
+    """One row of a logprob_table read on the host, its first k alternatives kept: (the token's logprob, the top
+    ids, their logprobs)."""
+    width = (len(values) - 1) // 2
+    return values[0], [int(token_id) for token_id in values[1 + width:1 + width + k]], values[1:1 + k]
 
 
 def add_token_counts(counts: Tensor, token_lists: list[list[int]], uploads: UploadRing) -> None:

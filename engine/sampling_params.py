@@ -22,6 +22,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None     # None: none; k: the sampled token's logprob and the k most likely tokens'
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before any other processing
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (from the raw model, given the
+    #                                     tokens before it) and the k most likely tokens' at its position
 
     def __post_init__(self):
         _number("temperature", self.temperature, lambda x: x >= 0, ">= 0")
@@ -44,6 +46,9 @@ class SamplingParams:
             _integer("stop_token_ids", token, lambda x: x >= 0, "non-negative integers")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lambda x: 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or None)")
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, lambda x: 0 <= x <= MAX_LOGPROBS,
+                     f"in [0, {MAX_LOGPROBS}] (or None)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a map from token id to bias, got {self.logit_bias!r}")

@@ -27,7 +27,7 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
                  "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
-                 "draft_token_ids", "draft_state", "acceptance", "images")
+                 "draft_token_ids", "draft_state", "acceptance", "images", "prompt_logprobs")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
@@ -56,6 +56,10 @@ class Sequence:
         self.draft_state = None               # the drafter's own record of this request (engine/drafters.py)
         self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
         self.images = images or []
+        # per prompt token, when params ask (None for the first, which nothing predicts), filled as steps compute
+        # the positions before each: engine/prompt_logprobs.py
+        self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = (
+            None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -67,6 +71,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt's logprobs are still to compute: its prompt positions must be computed, not taken from the
+        prefix cache (once it has an output token, every prompt position has been computed)."""
+        return self.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:

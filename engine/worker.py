@@ -34,6 +34,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list | None = None  # per new token, when the request asks: (its logprob, top ids, their logprobs)
+    prompt_logprobs: list | None = None  # on the first output of a request that asks: per prompt token, as logprobs
+    #                                      (None for the first token)
 
 
 @dataclass
@@ -55,8 +57,10 @@ class Worker:
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
         self.reads_images = loaded.vision is not None  # submit() takes a prompt's images (engine/images.py)
-        if self.kind == "encoder":
-            self.core, self.embedder = None, Embedder.for_encoder(config, loaded)
+        if self.kind in ("encoder", "classifier"):  # a classifier's "embeddings" are its logits
+            self.core = None
+            self.embedder = (Embedder.for_classifier if self.kind == "classifier" else Embedder.for_encoder)(config,
+                                                                                                            loaded)
             self.eos_token_ids, self.max_model_len = (), self.embedder.max_model_len
         else:
             self.core = EngineCore(config, loaded, self.ranks)
@@ -230,9 +234,11 @@ class Worker:
             new_token_ids = [] if token_id is None else seq.output_token_ids[request.num_sent:]
             logprobs = (seq.logprobs[request.num_sent:] if token_id is not None and seq.params.logprobs is not None
                         else None)
+            first = request.num_sent == 0 and bool(new_token_ids)
             request.num_sent += len(new_token_ids)
             output = RequestOutput(seq.request_id, new_token_ids, seq.finish_reason, seq.error, seq.num_prompt_tokens,
-                                   seq.num_output_tokens, seq.num_cached_tokens, logprobs)
+                                   seq.num_output_tokens, seq.num_cached_tokens, logprobs,
+                                   seq.prompt_logprobs if first else None)
             batches.setdefault(request.loop, []).append((request.queue, output))
             if seq.is_finished:
                 with self._cond:

@@ -21,6 +21,7 @@ class HandlerHealth:
         self._timeout = timeout
         self.ready = False
         self.model_name: str | None = None  # the handler's answer to `models`
+        self.capabilities: list[str] | None = None  # what it says its model does (chat, completions, ...)
         self.stats: dict = {}               # its last answer to `stats`
         self._probe_sent_at: float | None = None
 
@@ -30,6 +31,8 @@ class HandlerHealth:
             info = await self._probe("models")
             if isinstance(info, dict) and isinstance(info.get("id"), str) and info["id"]:
                 self.model_name = info["id"]
+            if isinstance(info, dict) and isinstance(info.get("capabilities"), list):
+                self.capabilities = [name for name in info["capabilities"] if isinstance(name, str)]
             self.ready = True
             while True:
                 await asyncio.sleep(PROBE_INTERVAL_S)

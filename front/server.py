@@ -2,11 +2,11 @@
 
     python -m front [--host 127.0.0.1] [--port 8080] [--api-key KEY] -- HANDLER_CMD...
 
-Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions (SSE when
-"stream": true), POST /v1/embeddings, POST /v1/responses, POST /v1/messages (Anthropic's Messages API,
-front/anthropic.py). The whole chat request body is forwarded to the handler as `data`; a client that
-disconnects mid-stream makes the front send `cancel`. Port 0 picks a free port; the address is logged as
-"listening on http://HOST:PORT".
+Routes: GET / and /health, GET /metrics, GET /v1/models, POST /v1/chat/completions and POST /v1/completions
+(SSE when "stream": true), POST /v1/embeddings, POST /v1/responses, POST /v1/messages (Anthropic's Messages API,
+front/anthropic.py), POST /v1/score, POST /v1/rerank and TEI's POST /rerank (cross-encoders). The whole chat request
+body is forwarded to the handler as `data`; a client that disconnects mid-stream makes the front send `cancel`.
+Port 0 picks a free port; the address is logged as "listening on http://HOST:PORT".
 
 Unlike the production daemon, it answers a handler's error reply with the HTTP status the reply carries
 (docs/errors.md), names the model as the handler does (its `models` reply), and /health answers 503 until
@@ -35,10 +35,24 @@ from daemon_protocol import RequestError
 from daemon_protocol.log import error
 
 from . import anthropic
+from .completions import CompletionReply, stream_choice as completion_choice
 from .handler_connection import CHAT_QUEUE_CHUNKS, HandlerConnection, HandlerError, HandlerGone, UnencodableRequest
 from .handler_health import HEALTH_TIMEOUT_S, HandlerHealth
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .openai_chat import ChatReply, stream_choice
+from .scoring import (
+    RERANK_PARAMS,
+    TEI_PARAMS,
+    ScoringInputError,
+    checked_scores,
+    flags,
+    rerank_call,
+    rerank_options,
+    rerank_results,
+    score_call,
+    score_data,
+    tei_results,
+)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
@@ -196,9 +210,10 @@ async def list_models(request: web.Request) -> web.Response:
     health = request.app[HEALTH]
     if not health.ready:
         raise ApiError(503, f"{health.problem()}; try again shortly", code="handler_unavailable")
+    capabilities = {"capabilities": health.capabilities} if health.capabilities is not None else {}
     return web.json_response({"object": "list", "data": [
         {"id": model_name(request), "object": "model", "created": request.app[SETTINGS]["started"],
-         "owned_by": "hfendpoint"}]})
+         "owned_by": "hfendpoint", **capabilities}]})
 
 
 # Chat
@@ -209,6 +224,10 @@ def validate_chat(body: dict) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    validate_stream_fields(body)
+
+
+def validate_stream_fields(body: dict) -> None:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     optional_type(body, "stream_options", dict, "an object")
@@ -229,9 +248,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         **({"usage": reply.usage} if reply.usage else {})})
 
 
-async def open_chat(request: web.Request, data: dict):
+async def open_chat(request: web.Request, data: dict, name: str = "chat_completions"):
+    """A streaming handler call: chat_completions, or completions (same chunk contract)."""
     connection = request.app[CONNECTION]
-    stream = connection.open("chat_completions", data, CHAT_QUEUE_CHUNKS)
+    stream = connection.open(name, data, CHAT_QUEUE_CHUNKS)
     await connection.drain()
     return stream
 
@@ -257,10 +277,11 @@ async def chat_chunks(request: web.Request, stream):
             return
 
 
-async def complete_chat(request: web.Request, data: dict) -> ChatReply:
-    """Every chunk gathered into its choice (content concatenated); the last finish_reason and usage."""
-    stream = await open_chat(request, data)
-    reply = ChatReply()
+async def complete_chat(request: web.Request, data: dict, name: str = "chat_completions", reply=None):
+    """Every chunk gathered into its choice (content concatenated); the last finish_reason and usage. reply: a
+    CompletionReply for name "completions"."""
+    stream = await open_chat(request, data, name)
+    reply = reply or ChatReply()
     try:
         async for payload in chat_chunks(request, stream):
             reply.add(payload)
@@ -273,12 +294,15 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
-    """SSE: one chat.completion.chunk per reply chunk. The response starts with the first chunk, so
-    a request the handler rejects at once still gets a plain HTTP error with the reply's status."""
-    stream = await open_chat(request, body)
+async def stream_chat(request: web.Request, body: dict, name: str = "chat_completions") -> web.StreamResponse:
+    """SSE: one chat.completion.chunk (for name "completions", text_completion) per reply chunk. The response
+    starts with the first chunk, so a request the handler rejects at once still gets a plain HTTP error with the
+    reply's status."""
+    stream = await open_chat(request, body, name)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
+    chat = name == "chat_completions"
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time())}
     response = None
     usage = None
     started = set()  # choices that have had their first delta
@@ -286,7 +310,7 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
         chunks = chat_chunks(request, stream)
         try:
             async for payload in chunks:
-                choice = stream_choice(payload, started)
+                choice = stream_choice(payload, started) if chat else completion_choice(payload)
                 if response is None:
                     base["model"] = model_name(request)
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -310,6 +334,77 @@ async def stream_chat(request: web.Request, body: dict) -> web.StreamResponse:
         return response
     finally:
         stream.close()  # sends `cancel` when the client went away before the last chunk
+
+
+# Legacy completions (the handler's `completions` call, docs/completions.md)
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    validate_stream_fields(body)
+    if body.get("stream"):
+        return await stream_chat(request, body, "completions")
+    reply = await complete_chat(request, body, "completions", CompletionReply())
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": model_name(request), "choices": reply.choices(), **({"usage": reply.usage} if reply.usage else {})})
+
+
+# Scoring (front/scoring.py, docs/scoring.md)
+async def score_pairs(request: web.Request, data: dict, params: dict[str, str]) -> tuple[list[float], dict]:
+    """The handler's scores of data's pairs and its usage; its errors name the route's fields (params)."""
+    try:
+        reply = await request.app[CONNECTION].call("score", data, request.app[SETTINGS]["chunk_timeout"])
+    except HandlerError as exc:
+        exc.param = params.get(exc.param, exc.param)
+        raise
+    try:
+        scores = checked_scores(reply, len(data["text_2"]) if isinstance(data["text_2"], list) else 1)
+    except ValueError as exc:
+        raise HandlerError(str(exc)) from None
+    return scores, reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+
+
+async def score(request: web.Request) -> web.Response:
+    """vLLM's /v1/score."""
+    body = await read_json_object(request)
+    try:
+        data = score_call(body)
+    except ScoringInputError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    scores, usage = await score_pairs(request, data, {})
+    return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": model_name(request), "data": score_data(scores), "usage": usage})
+
+
+async def rerank(request: web.Request) -> web.Response:
+    """vLLM's /v1/rerank (Jina's and Cohere's shape): results by decreasing relevance."""
+    body = await read_json_object(request)
+    try:
+        data, texts = rerank_call(body, "documents")
+        top_n, return_documents = rerank_options(body, len(texts))
+    except ScoringInputError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    scores, usage = await score_pairs(request, data, RERANK_PARAMS)
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": model_name(request), "usage": usage,
+                              "results": rerank_results(scores, texts, top_n, return_documents)})
+
+
+async def tei_rerank(request: web.Request) -> web.Response:
+    """TEI's /rerank: [{index, score, text}] by decreasing score; errors in TEI's shape ({error, error_type})."""
+    try:
+        body = await read_json_object(request)
+        data, texts = rerank_call(body, "texts")
+        return_text = flags(body, "return_text").get("return_text", False)
+        scores, _ = await score_pairs(request, data, TEI_PARAMS)
+    except ScoringInputError as exc:
+        return tei_error(422, str(exc))
+    except (ApiError, HandlerError) as exc:
+        return tei_error(exc.status, str(exc))
+    return web.json_response(tei_results(scores, texts, return_text))
+
+
+def tei_error(status: int, message: str) -> web.Response:
+    kind = "validation" if status < 500 else "backend"
+    return web.json_response({"error": message, "error_type": kind}, status=status)
 
 
 # Anthropic Messages
@@ -455,7 +550,11 @@ def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/rerank", tei_rerank)
     app.router.add_post("/v1/responses", responses)
     app.router.add_post(anthropic.MESSAGES_PATH, anthropic_messages)
     return app

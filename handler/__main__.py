@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import daemon_protocol
 from daemon_protocol.transports import TransportError, parse_transport, transport_from_env
 
-HANDLER_NAMES = ("chat_completions", "tokenize", "embeddings", "models", "stats")
+HANDLER_NAMES = ("chat_completions", "completions", "score", "tokenize", "embeddings", "models", "stats")
 FATAL_EXIT_GRACE_S = 1.0
 LOADING_LOG_INTERVAL_S = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

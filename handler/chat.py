@@ -104,18 +104,21 @@ def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> Chat
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
     fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
     max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
+    params = sampling_params(fields, {**output.sampling, "max_tokens": max_tokens}, model)
+    return ChatRequest(prompt_token_ids, params, stop, with_prompt(output, model.tokenizer.chat_template, prompt),
+                       images)
+
+
+def sampling_params(fields: dict, settings: dict, model: ChatModel) -> SamplingParams:
+    """SamplingParams from the request's sampling fields (SAMPLING_FIELDS, over the model's defaults) and the
+    settings the request's other fields make (max_tokens, logprobs, ...)."""
     sampling = {name: fields[name] for name in SAMPLING_FIELDS if name in fields}
     ignore_eos = sampling.get("ignore_eos") is True
     try:  # SamplingParams checks the types and ranges and names the field
-        params = SamplingParams(
-            **sampling, **output.sampling, max_tokens=max_tokens,
-            stop_token_ids=() if ignore_eos else model.eos_token_ids,
-        )
+        return SamplingParams(**sampling, **settings, stop_token_ids=() if ignore_eos else model.eos_token_ids)
     except ValueError as exc:  # its messages start with the field's name
-        at_fault = next((name for name in (*sampling, *output.sampling) if str(exc).startswith(f"{name} ")), None)
+        at_fault = next((name for name in (*sampling, *settings) if str(exc).startswith(f"{name} ")), None)
         raise RequestError(str(exc), param=at_fault) from exc
-    return ChatRequest(prompt_token_ids, params, stop, with_prompt(output, model.tokenizer.chat_template, prompt),
-                       images)
 
 
 def check_nesting(value, limits: RequestLimits, where: str | None = None) -> None:
@@ -219,15 +222,16 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data
         raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """A rendered prompt's ids; the template has written its special tokens already. Straight from the Rust
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = False) -> list[int]:
+    """A rendered prompt's ids; the template has written its special tokens already (a raw prompt takes the
+    tokenizer's own with add_special_tokens, as a legacy completion's does). Straight from the Rust
     tokenizer, without the character offsets that tokenizer(prompt) computes and throws away, and with the GIL
     released while it runs. An embedding input with truncate_prompt_tokens leaves truncation set on this
     thread's tokenizer (handler/tokenizer.py): it is turned off, as tokenizer(prompt) would, so no prompt is cut."""
     backend = tokenizer.backend_tokenizer
     if backend.truncation is not None:
         backend.no_truncation()
-    return backend.encode_batch_fast([prompt], add_special_tokens=False)[0].ids
+    return backend.encode_batch_fast([prompt], add_special_tokens=add_special_tokens)[0].ids
 
 
 def request_template(data: dict, kwargs: dict, trusted: bool) -> dict:

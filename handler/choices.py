@@ -134,6 +134,9 @@ class Choice:
             chunk["tool_calls"] = parsed.tool_calls
         if entries:
             chunk["logprobs"] = {"content": entries}
+        prompt_logprobs = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs), None)
+        if prompt_logprobs:  # the engine's entries, as they came: handler/completions.py reads them
+            chunk["prompt_logprobs"] = prompt_logprobs
         if self.completion.finish_reason is not None:
             self.finish_reason = self._finish_reason()
             chunk["choice_finish_reason"] = self.finish_reason

@@ -25,10 +25,12 @@ from engine import Worker
 from engine.embedding import check_inputs
 from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
 from handler.choices import ChatReplies
+from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
 from handler.images import ImageFetcher, VisionPrompt
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.memory import resident_bytes
+from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
 
@@ -109,6 +111,37 @@ class Service:
             async for chunk in self.replies.stream(self.worker, request, request_id, log):
                 yield chunk
 
+    async def completions(self, data):
+        """Legacy completions (docs/completions.md): raw prompts, echo, prompt logprobs; streams reply chunks, the
+        last one with finish_reason and usage."""
+        request_id = f"cmpl-{next(self._request_ids)}"
+        with logged_request(request_id, "completions") as log, self.engine_errors():
+            if self.worker.kind != "decoder":
+                raise RequestError(f"{self.model_name} is not a generative model: it serves no completions")
+            request = await self.encode(lambda chat_model: parse_completion_request(data, chat_model))
+            log.prompt_tokens = sum(len(prompt.prompt_token_ids) for prompt in request.prompts)
+            self.start_engine_report()
+            async for chunk in stream_completion(self.replies, self.worker, request, request_id, log):
+                yield chunk
+
+    async def score(self, data):
+        """Cross-encoder scores of text pairs (handler/scoring.py, docs/scoring.md)."""
+        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors():
+            if self.worker.kind != "classifier":
+                raise RequestError(f"{self.model_name} is not a cross-encoder (a sequence-classification model): it "
+                                   "scores no text pairs")
+            num_labels = self.worker.embedder.hidden_size  # a classifier's outputs are its logits
+            if num_labels != 1:
+                raise RequestError(f"{self.model_name} classifies into {num_labels} labels; scoring needs a "
+                                   "cross-encoder with one")
+            request = parse_score_request(data)
+            limit = self.worker.max_embedding_tokens
+            token_lists = await self.encode(lambda chat_model: pair_token_ids(chat_model.tokenizer, request, limit))
+            log.prompt_tokens = sum(map(len, token_lists))
+            logits = await self.worker.embed(token_lists)
+            return {"scores": scores(logits, request.raw_scores),
+                    "usage": {"prompt_tokens": log.prompt_tokens, "total_tokens": log.prompt_tokens}}
+
     async def with_grammar(self, request: ChatRequest) -> ChatRequest:
         """The request with its schema's grammar compiled (handler/grammar.py), if it has a schema."""
         plan = request.output
@@ -142,6 +175,9 @@ class Service:
         """Pooled vectors of token id lists; with `truncate_prompt_tokens` the reply also says how many
         tokens were embedded (`usage`), since inputs may have been cut."""
         with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors():
+            if self.worker.kind == "classifier":
+                raise RequestError(f"{self.model_name} is a cross-encoder: it scores text pairs (score, rerank), it "
+                                   "does not embed")
             token_lists = field(data, "input")
             if not isinstance(token_lists, list) or not token_lists:
                 raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}",
@@ -165,7 +201,16 @@ class Service:
 
     async def models(self, data):
         return {"id": self.model_name, "kind": self.worker.kind, "max_model_len": self.worker.max_model_len,
-                "hidden_size": self.worker.hidden_size}
+                "hidden_size": self.worker.hidden_size, "capabilities": self.capabilities()}
+
+    def capabilities(self) -> list[str]:
+        """What the served model does, by the front's names: chat (with a chat template), completions and
+        embeddings for a decoder, embeddings for an encoder, score (score and rerank) for a cross-encoder."""
+        if self.worker.kind == "classifier":
+            return ["score"]
+        if self.worker.kind == "encoder":
+            return ["embeddings"]
+        return [*(["chat"] if self.chat_model.tokenizer.chat_template else []), "completions", "embeddings"]
 
     async def stats(self, data):
         return self.handler_stats()

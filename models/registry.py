@@ -15,7 +15,10 @@ DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
             "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3MoeForCausalLM",
             "GptOssForCausalLM")
 BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel")
+# Cross-encoders: encoders with a sequence-classification head, which score text pairs (models/bert.py)
+CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+               "XLMRobertaForSequenceClassification")
+ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel", *CLASSIFIERS)
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
 VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)  # their image encoder is served too (not from a GGUF)
 
@@ -24,7 +27,7 @@ VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)  # their image encode
 class LoadedModel:
     model: nn.Module
     hf_config: object  # a decoder's: the text config (of a multimodal checkpoint, its text_config)
-    kind: str  # "decoder" | "encoder"
+    kind: str  # "decoder" | "encoder" | "classifier" (a cross-encoder)
     model_dir: str
     vision: nn.Module | None = None  # a multimodal decoder's image encoder (models/gemma3_vision.py)
 
@@ -88,7 +91,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_
     if architecture in ENCODERS:
         from models.bert import load_bert
 
-        return LoadedModel(load_bert(model_path, hf_config, dtype, device).eval(), hf_config, "encoder", model_path)
+        classifier = architecture in CLASSIFIERS
+        return LoadedModel(load_bert(model_path, hf_config, dtype, device, classifier).eval(), hf_config,
+                           "classifier" if classifier else "encoder", model_path)
     model = build_decoder(hf_config, dtype, device, architecture in DECODERS, max_model_len, fp8_gemm)
     load_safetensors(model, model_path)
     vision = load_vision(model_path, hf_config, dtype, device) if architecture in VISION_ARCHITECTURES else None

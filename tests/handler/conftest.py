@@ -86,3 +86,20 @@ def smollm2_service(smollm2_path, tmp_path_factory):
     daemon.call("models")  # answered once the model is loaded
     yield daemon
     assert daemon.stop() == 0, "the handler exits 0 on EOF"
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_service(tmp_path_factory):
+    """`python -m handler` serving a tiny random BERT cross-encoder (tests/cross_encoders.py) behind our front,
+    named "tiny-ce"; `path` is its directory."""
+    from cross_encoders import save_cross_encoder
+
+    path = tmp_path_factory.mktemp("cross-encoder")
+    save_cross_encoder(path)
+    env = {"MODEL_ID": str(path), "HFENDPOINT_DEVICE": "cpu", "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
+           "HF_HUB_OFFLINE": "1", "HFENDPOINT_MODEL_NAME": "tiny-ce"}
+    daemon = HostedFrontServer([sys.executable, "-m", "handler"], env)
+    daemon.path = path
+    daemon.call("models")
+    yield daemon
+    assert daemon.stop() == 0, "the handler exits 0 on EOF"

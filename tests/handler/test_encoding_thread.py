@@ -30,7 +30,7 @@ class FakeWorker:
         self.submitted.append(request_id)
         outputs = queue or asyncio.Queue()
         outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
-                                           error=None, logprobs=None))
+                                           error=None, logprobs=None, prompt_logprobs=None))
         return outputs
 
     def stats(self) -> dict:

@@ -21,6 +21,7 @@ from tp_testing import alive, prompts
 pytestmark = pytest.mark.slow  # tensor-parallel ranks in processes of their own
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
+ASKING = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)  # the LM head over prompt rows too
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -38,13 +39,14 @@ def wait_gone(pids, timeout=10.0) -> list[int]:
 @pytest.mark.parametrize("name", ["llama", "qwen3", "phi3-fp8"])
 def test_two_ranks_generate_what_one_does(tp_model_path, name):
     """Prompt chunks (a small token budget), mixed prefill/decode steps, prefix-cache hits on the second
-    round, and an odd vocabulary for llama (the last rank's range is padded)."""
+    round, prompt logprobs, and an odd vocabulary for llama (the last rank's range is padded)."""
     path = tp_model_path(name)
     batch = prompts([3, 17, 40, 61], vocab=320)
     shared = prompts([40], seed=5)[0]
     batch += [shared + tail for tail in prompts([2, 9], seed=6)]
     one = LLM(path, device="cpu", max_num_batched_tokens=48)
     expected = generate(one, batch)
+    expected_prompt_logprobs = one.generate(batch[2:4], ASKING)  # before two's ranks start: one would join them
     two = LLM(path, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=48)
     try:
         assert [p.is_alive() for p in two.ranks.processes] == [True]
@@ -52,6 +54,11 @@ def test_two_ranks_generate_what_one_does(tp_model_path, name):
         assert (attention.num_heads, attention.num_kv_heads) == (2, 1)  # rank 0 holds half of the heads
         assert two.core.runner.num_blocks == one.core.runner.num_blocks
         assert generate(two, batch) == expected
+        for got, want in zip(two.generate(batch[2:4], ASKING), expected_prompt_logprobs):
+            assert [entry and entry[1] for entry in got["prompt_logprobs"]] == \
+                [entry and entry[1] for entry in want["prompt_logprobs"]]
+            assert [entry[0] for entry in got["prompt_logprobs"][1:]] == \
+                pytest.approx([entry[0] for entry in want["prompt_logprobs"][1:]], abs=1e-4)
         hits = two.core.block_manager.num_hit_tokens
         assert generate(two, batch) == expected
         assert two.core.block_manager.num_hit_tokens - hits >= 8 * 16
