@@ -8,6 +8,11 @@ the field.
 
 RERANK_PARAMS = {"text_1": "query", "text_2": "documents"}
 TEI_PARAMS = {"text_1": "query", "text_2": "texts"}
+# The fields each route reads; any other is refused, naming it, rather than silently ignored.
+SCORE_FIELDS = frozenset({"model", "user", "text_1", "text_2", "truncate", "truncate_prompt_tokens"})
+RERANK_FIELDS = frozenset({"model", "user", "query", "documents", "top_n", "return_documents", "truncate",
+                           "raw_scores", "truncate_prompt_tokens"})
+TEI_FIELDS = frozenset({"query", "texts", "raw_scores", "return_text", "truncate"})
 
 
 class ScoringInputError(ValueError):
@@ -18,6 +23,7 @@ class ScoringInputError(ValueError):
 
 def score_call(body: dict) -> dict:
     """vLLM's /v1/score: text_1 and text_2, each a string or a list of strings (the handler checks them)."""
+    refuse_unknown(body, SCORE_FIELDS)
     refuse_vllm_truncation(body)
     for name in ("text_1", "text_2"):
         if body.get(name) is None:
@@ -28,6 +34,7 @@ def score_call(body: dict) -> dict:
 def rerank_call(body: dict, documents_field: str) -> tuple[dict, list[str]]:
     """A rerank request (vLLM's `documents`, TEI's `texts`): the handler call and the documents' texts. A vLLM
     document may be a string or an object with `text` (Jina's and Cohere's form)."""
+    refuse_unknown(body, RERANK_FIELDS if documents_field == "documents" else TEI_FIELDS)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise ScoringInputError("'query' must be a non-empty string", "query")
@@ -43,6 +50,13 @@ def rerank_call(body: dict, documents_field: str) -> tuple[dict, list[str]]:
                                     documents_field)
         texts.append(text)
     return {"text_1": query, "text_2": texts, **flags(body, "truncate", "raw_scores")}, texts
+
+
+def refuse_unknown(body: dict, known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ScoringInputError(f"'{unknown[0]}' is not supported on this route; it reads {', '.join(sorted(known))}",
+                                unknown[0])
 
 
 def flags(body: dict, *names: str) -> dict:

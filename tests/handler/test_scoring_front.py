@@ -101,6 +101,10 @@ def test_errors_name_each_routes_own_fields(http):
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
     tei = http.post("/rerank", json={"query": QUERY})
     assert tei.status_code == 422 and tei.json()["error_type"] == "validation" and "texts" in tei.json()["error"]
+    unknown = http.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS, "rank_fields": ["x"]})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "rank_fields"
+    direction = http.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS, "truncation_direction": "Left"})
+    assert direction.status_code == 422 and "truncation_direction" in direction.json()["error"]
     generate = http.post("/v1/completions", json={"prompt": "the cat"})
     assert generate.status_code == 400 and "completions" in generate.json()["error"]["message"]
 
