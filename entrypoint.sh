@@ -29,6 +29,7 @@ Variables read here:
   HFENDPOINT_BIN             the hfendpoint binary when FRONT=hfendpoint (default hfendpoint from PATH)
   HFENDPOINT_API_KEY         our front only: require `Authorization: Bearer KEY` (hfendpoint
                              v0.3.0 has no authentication of its own)
+  HFENDPOINT_OPEN_METRICS    our front only: true serves /metrics without the key (default false)
   HFENDPOINT_REPOSITORY_DIR  where a mounted model is looked for (default /repository; Inference
                              Endpoints mount the model there); it wins over MODEL_ID
   HFENDPOINT_CACHE_VOLUME    a writable volume that outlives the container (default /data): when it is
@@ -45,12 +46,17 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_TENSOR_PARALLEL_SIZE, HFENDPOINT_KV_BLOCK_SIZE, HFENDPOINT_CPU_KV_CACHE_GB,
   HFENDPOINT_NUM_KV_BLOCKS, HFENDPOINT_MAX_EMBEDDING_BATCH_TOKENS, HFENDPOINT_MODEL_NAME,
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
-  HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES,
+  HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES, HFENDPOINT_SPECULATIVE,
   HFENDPOINT_DATA_PARALLEL_SIZE (engines, each on its own HFENDPOINT_TENSOR_PARALLEL_SIZE GPUs; default 1),
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
   HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30),
   HFENDPOINT_IMAGE_MAX_BYTES, HFENDPOINT_IMAGE_MAX_PIXELS, HFENDPOINT_IMAGE_FETCH_TIMEOUT,
-  HFENDPOINT_MAX_IMAGES_PER_REQUEST, HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS (images in chat)
+  HFENDPOINT_MAX_IMAGES_PER_REQUEST, HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS (images in chat),
+  HFENDPOINT_AUTO_TRUNCATE (embed long inputs' last tokens instead of refusing them; default false),
+  what one request may size (a 400 names the field past each): HFENDPOINT_MAX_N, HFENDPOINT_MAX_TOP_LOGPROBS,
+  HFENDPOINT_MAX_LOGIT_BIAS_ENTRIES, HFENDPOINT_MAX_TOOLS, HFENDPOINT_MAX_STOP_STRINGS, HFENDPOINT_MAX_STOP_CHARS,
+  HFENDPOINT_MAX_SCHEMA_BYTES, HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT, HFENDPOINT_MAX_GRAMMAR_BYTES,
+  HFENDPOINT_MAX_NESTING_DEPTH, HFENDPOINT_MAX_PROMPT_CHARS
 EOF
 }
 

@@ -49,13 +49,15 @@ class FakeEngine:
     with finish_reason "length", and returns the number of tokens of each step."""
 
     kind, eos_token_ids, max_model_len, max_embedding_tokens, vocab_size = "decoder", (), 4096, 4096, 49152
+    reads_images = False
 
     def __init__(self, model_dir: str, loop: asyncio.AbstractEventLoop):
         self.model_dir, self.loop = model_dir, loop
         self.requests: dict = {}  # request id -> [queue, tokens so far, max_tokens, prompt tokens]
         self.lock = threading.Lock()
 
-    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None):
+    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None,
+               images=()):
         with self.lock:
             self.requests[request_id] = [queue, 0, params.max_tokens, len(prompt_token_ids)]
         return queue

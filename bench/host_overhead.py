@@ -70,6 +70,7 @@ def fake_graphs(runner) -> None:
 def make_core(batch: int, context: int, steps: int, eager: bool, overlap: bool) -> EngineCore:
     config = EngineConfig(model="-", device="cpu", dtype="float32", num_kv_blocks=batch * ((context + steps) // 16 + 2))
     loaded = SimpleNamespace(model=FakeModel(config.max_num_batched_tokens, config.max_num_seqs), model_dir="/-",
+                             vision=None,
                              hf_config=SimpleNamespace(vocab_size=VOCAB, hidden_size=HIDDEN, eos_token_id=None,
                                                        max_position_embeddings=40960))
     core = EngineCore(config, loaded)

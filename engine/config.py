@@ -105,7 +105,6 @@ class EngineConfig:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
-
     def check_device(self) -> None:
         """Refuse, before anything loads, what the device cannot run: bfloat16 without bfloat16 arithmetic, an FP8
         KV cache without e4m3 conversions (kernels/gpu_features.py; HFENDPOINT_GPU_FEATURES may turn either

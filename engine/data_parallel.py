@@ -102,7 +102,10 @@ class DataParallelWorker:
     # ---- the Worker's interface ------------------------------------------------------------------------
 
     def submit(self, request_id, prompt_token_ids: list[int], params, constraint=None,
-               queue: asyncio.Queue | None = None, shares_prompt_with=None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, shares_prompt_with=None, images=()) -> asyncio.Queue:
+        """Worker.submit's; images are refused (reads_images is False: the handler never sends any)."""
+        if images:
+            raise ValueError("images are not served with data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE > 1)")
         queue = asyncio.Queue() if queue is None else queue
         with self._lock:
             if self._lost:

@@ -40,13 +40,16 @@ PARENT_POLL_S = 0.2
 
 
 def check_config(config: EngineConfig) -> None:
-    """Clear errors for a tensor-parallel size this model or host cannot run, before anything starts."""
-    config.check_device()
-    size = config.tensor_parallel_size
+    """Clear errors for a tensor-parallel size this model or host cannot run, and for what the device cannot run,
+    before anything starts."""
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first")
-    if size == 1:
-        return
+    if config.tensor_parallel_size > 1:
+        check_ranks(config, config.tensor_parallel_size)
+    config.check_device()
+
+
+def check_ranks(config: EngineConfig, size: int) -> None:
     if config.model.endswith(".gguf"):
         raise ValueError(f"tensor_parallel_size={size}: GGUF models run on one device only; use "
                          "tensor_parallel_size=1 or the model's safetensors checkpoint")
