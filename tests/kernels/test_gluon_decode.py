@@ -8,7 +8,7 @@ import torch
 from kernel_testing import DEVICE, ON_CUDA, cos_sin_cache, paged_batch
 
 import kernels
-from kernels import gluon_decode, reference, triton_attention
+from kernels import gluon_decode, gpu_features, reference, triton_attention
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -51,6 +51,7 @@ def test_follows_the_engine_order_and_any_q_strides():
 
 @gpu_only
 def test_the_engine_sends_large_fp8_decode_steps_to_it_with_the_prologue_apart():
+    # with Gluon turned off (HFENDPOINT_GPU_FEATURES) the same step goes to the Triton kernel, as correct
     num_q_heads, num_kv_heads, batch = 16, 8, 160  # unsplit: batch * KV heads fills every SM's programs
     seq_lens = torch.randint(20, 600, (batch,)).tolist()
     q, k_cache, v_cache, meta, k_scale, v_scale = fp8_decode_batch(seq_lens, num_q_heads, num_kv_heads, 16)
@@ -68,7 +69,7 @@ def test_the_engine_sends_large_fp8_decode_steps_to_it_with_the_prologue_apart()
     with mock.patch.object(gluon_decode, "decode_attention", wraps=gluon_decode.decode_attention) as gluon:
         out = kernels.qkv_paged_attention(qkv, positions, cos_sin, num_q_heads, num_kv_heads, *norms, 1e-6, k_cache,
                                           v_cache, meta, 0.1, k_scale=k_scale, v_scale=v_scale)
-    assert gluon.call_count == 1
+    assert gluon.call_count == gpu_features.has("gluon", k_cache)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))  # the prologue stored the new keys
 
@@ -83,5 +84,6 @@ def test_small_batches_and_other_caches_stay_on_triton():
     assert not gluon_decode.supports(torch.float32, 16, 128, k_cache, 0, None)
     assert not gluon_decode.supports(torch.bfloat16, 16, 64, k_cache, 0, None)
     assert not gluon_decode.supports(torch.bfloat16, 16, 128, k_cache.view(-1, 8, 8, 128), 0, None)  # blocks of 8
-    assert gluon_decode.supports(torch.bfloat16, 64, 128, k_cache, 0, None)  # 8 query heads per KV head: the limit
+    gluon_on = gpu_features.has("gluon", k_cache)  # off: HFENDPOINT_GPU_FEATURES turned it off
+    assert gluon_decode.supports(torch.bfloat16, 64, 128, k_cache, 0, None) == gluon_on  # 8 query heads per KV head
     assert not gluon_decode.supports(torch.bfloat16, 72, 128, k_cache, 0, None)
