@@ -13,7 +13,7 @@ Workloads (the packaged SmolLM2-135M-Instruct, real weights, through its chat te
 - random: the Nano-vLLM workload's random prompts and sampling (bench/throughput.py's workload(): random
   token ids, temperature 0.6, ignore_eos), the first B requests at batch B, output lengths cut to --max-tokens.
 Each (workload, batch) runs with speculation off and then with each drafter on one engine (the speculator
-swapped between runs, the prefix cache emptied), after a warm-up of every mode.
+swapped between runs, the prefix cache emptied), after a warm-up of every mode; --runs rounds, the median.
 
 Greedy outputs are compared with those of speculation off: the share of identical tokens (position by
 position over off's tokens) and the first position where a request's output differs. In bfloat16 a step's
@@ -133,6 +133,14 @@ def run(llm: LLM, mode: str, k: int, prompts, params) -> dict:
             "outputs": [out["token_ids"] for out in outputs]}
 
 
+def median_runs(llm: LLM, modes: list[str], args, prompts, params) -> dict[str, dict]:
+    """Each mode's run of median tokens per second over --runs rounds, the modes taking turns in each round (so
+    that a drift of the GPU's clocks or the host's load falls on all of them)."""
+    rounds = [{mode: run(llm, mode, args.k, prompts, params) for mode in modes} for _ in range(args.runs)]
+    return {mode: sorted((r[mode] for r in rounds), key=lambda result: result["tok_s"])[args.runs // 2]
+            for mode in modes}
+
+
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
     """"same", or the share of the reference's tokens matched position by position and the earliest position
     where an output differs (with how many outputs differ)."""
@@ -177,8 +185,7 @@ def workloads_table(args) -> None:
             prompts, params = (copy_workload(llm, batch, args.max_tokens) if name == "copy"
                                else random_workload(batch, args.max_tokens))
             greedy = not params[0].temperature
-            results = {mode: run(llm, mode, args.k, prompts, params)
-                       for mode in modes + (["off/4"] if greedy and batch >= 4 else [])}
+            results = median_runs(llm, modes + (["off/4"] if greedy and batch >= 4 else []), args, prompts, params)
             base = results["off"]
             for mode, result in results.items():
                 same = agreement(result["outputs"], base["outputs"]) if greedy else ""
@@ -238,6 +245,7 @@ def main():
     ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "suffix"])
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per request and step")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3, help="rounds of every mode per workload and batch (median)")
     ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
     ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")
     ap.add_argument("--draft-lengths", type=lambda s: [int(k) for k in s.split(",")], default=[2, 4, 8])

@@ -3,8 +3,10 @@ from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
 
-# What a request's drafts are expected to achieve before any is verified: optimistic, so drafting starts long.
+# What a request's drafts are expected to achieve before any is verified: optimistic, so drafting starts long
+# and is tried at all.
 INITIAL_ACCEPTANCE = 0.8
+INITIAL_DRAFT_GAIN = 2.0
 
 
 class SequenceStatus(Enum):
@@ -27,7 +29,7 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
                  "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
-                 "draft_token_ids", "draft_state", "acceptance", "images", "prompt_logprobs")
+                 "draft_token_ids", "draft_state", "acceptance", "draft_gain", "images", "prompt_logprobs")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
@@ -55,6 +57,7 @@ class Sequence:
         self.draft_token_ids: list[int] = []  # guesses of the tokens after token_ids, verified by the next step
         self.draft_state = None               # the drafter's own record of this request (engine/drafters.py)
         self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
+        self.draft_gain = INITIAL_DRAFT_GAIN  # recent draft tokens accepted per drafting step, misses as 0 (same)
         self.images = images or []
         # per prompt token, when params ask (None for the first, which nothing predicts), filled as steps compute
         # the positions before each: engine/prompt_logprobs.py

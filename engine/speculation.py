@@ -8,64 +8,69 @@ tokens of the step before it on the host, so it never runs overlapped: it costs 
 hides, and its extra tokens cost compute that a large batch does not have spare.
 
 So speculation backs off by itself, per step:
-- per request, k follows its recent acceptance: the expected run of accepted tokens at that rate, plus one;
-- per step, a batch whose requests expect too few accepted tokens does not draft, and the drafts of a step
-  fit into one decode step of max_num_seqs rows (a row per token); a batch of more than half that many
-  requests never drafts (most of its requests would get no draft, all of them would lose the overlap), and
-  costs the speculator nothing per step: no measurement, no loop over its requests, no drafter bookkeeping
-  (a drafter learns a request's tokens only when it proposes for it);
-- per batch size (batches of 2^(b-1)..2^b - 1 requests share a record), decoding steps measure output
-  tokens per second and running request with and without drafting, and the faster mode runs; the slower is
-  tried again now and then (less often each time it loses), since acceptance and batch composition change.
-  Per request, since within a record the batch shrinks as requests finish: a step's time grows far less
-  than its batch, so a rate per request compares the two modes across sizes better than a rate per step.
+- per request, k follows its recent acceptance (the expected run of accepted tokens at that rate, plus one),
+  and its draft gain is the moving average of the draft tokens a drafting step accepted for it, a step where
+  the drafter found nothing counting 0;
+- a batch of more than half max_num_seqs requests never drafts (most of its requests would get no row for a
+  draft token, all of them would lose the overlap) and costs the speculator nothing per step: no
+  measurement, no loop over its requests, no drafter bookkeeping (a drafter learns a request's tokens only
+  when it proposes for it);
+- otherwise a step drafts when it is expected to make tokens faster: per batch-size class (batches of
+  2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not overlapped,
+  a row per draft token) and without, and a step drafts when (requests + their draft gains) / drafting
+  seconds beats requests / plain seconds. Timing the two kinds of step apart, rather than tokens per second
+  of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from condemning
+  drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
+  step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
+  after one that gained none.
 """
-import math
+import operator
 import time
 
 from engine.constraints import valid_draft
 from engine.drafters import DRAFTERS
 from engine.sequence import Sequence
 
-ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance
-MIN_EXPECTED_GAIN = 0.1  # accepted tokens per request and step below which a step does not draft
-RATE_MEMORY = 0.7        # weight of the past in a batch size's measured tokens per second
-RETRY_AFTER_STEPS, MAX_RETRY_AFTER_STEPS, RETRY_STEPS = 32, 2048, 3
+ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance and draft gain
+MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below which a step does not draft
+PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
+PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
 NO_SPECULATION = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}  # the stats of an engine that never drafts
+DRAFT_GAIN = operator.attrgetter("draft_gain")
 
 
-class ModeRecord:
-    """Measured output tokens per second of decoding steps with and without drafting, for one batch-size
-    class, and which mode to run next."""
+class StepPeriods:
+    """Measured seconds of decoding steps with and without drafts for one batch-size class, and when to probe
+    drafting again while it does not pay."""
 
     def __init__(self):
-        self.rates: dict[bool, float] = {}
-        self.steps_since_retry = 0
-        self.retry_after = RETRY_AFTER_STEPS
-        self.retrying = 0  # steps left of the slower mode's retry
-        self.best_before_retry = True
+        self.seconds: dict[bool, float] = {}
+        self.plain_steps = 0  # steps that did not draft since the last that did
+        self.probe_after = PROBE_AFTER_STEPS
 
-    def best(self) -> bool:
-        return self.rates.get(True, math.inf) >= self.rates.get(False, -math.inf) if self.rates else True
+    def drafting_pays(self, num_running: int, gain: float) -> bool:
+        """Whether the next step of num_running requests expecting `gain` accepted draft tokens in all drafts:
+        each kind of step is measured first, then the faster in tokens per second runs, with probes."""
+        if gain >= MIN_EXPECTED_GAIN * num_running:
+            if True not in self.seconds:
+                return True
+            if False not in self.seconds:
+                return False
+            if (num_running + gain) * self.seconds[False] > num_running * self.seconds[True]:
+                return True
+        self.plain_steps += 1
+        if self.plain_steps < self.probe_after:
+            return False
+        self.plain_steps = 0
+        return True
 
-    def choose(self) -> bool:
-        if len(self.rates) < 2:  # measure each mode first
-            return True not in self.rates
-        best = self.best()
-        if self.retrying:
-            self.retrying -= 1
-            if not self.retrying:  # the slower mode lost again: try it less often
-                won = best != self.best_before_retry
-                self.retry_after = RETRY_AFTER_STEPS if won else min(2 * self.retry_after, MAX_RETRY_AFTER_STEPS)
-            return not best
-        self.steps_since_retry += 1
-        if self.steps_since_retry >= self.retry_after:
-            self.steps_since_retry, self.retrying, self.best_before_retry = 0, RETRY_STEPS, best
-        return best
+    def record(self, drafting: bool, seconds: float) -> None:
+        old = self.seconds.get(drafting)
+        self.seconds[drafting] = seconds if old is None else PERIOD_MEMORY * old + (1 - PERIOD_MEMORY) * seconds
 
-    def record(self, drafting: bool, rate: float) -> None:
-        old = self.rates.get(drafting)
-        self.rates[drafting] = rate if old is None else RATE_MEMORY * old + (1 - RATE_MEMORY) * rate
+    def drafted(self, gained: bool) -> None:
+        """After a drafting step: probe soon again if it gained tokens, half as often otherwise."""
+        self.probe_after = PROBE_AFTER_STEPS if gained else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
 
 
 class Speculator:
@@ -75,7 +80,7 @@ class Speculator:
         self.drafter = DRAFTERS[method]()
         self.max_draft_tokens, self.max_rows = max_draft_tokens, max_rows
         self.adaptive = True  # False: every step drafts (tests)
-        self.modes: dict[int, ModeRecord] = {}
+        self.periods: dict[int, StepPeriods] = {}
         self.num_drafted = self.num_accepted = 0
         self.last_step_end: float | None = None
         self.last_mode: bool | None = None
@@ -86,10 +91,7 @@ class Speculator:
             return True
         if not self.may_draft(len(running)):
             return False
-        if not self._record(len(running)).choose():
-            return False  # first, as it is cheap: a large batch that drafts no more costs no loop over it
-        return sum(expected_accepted(seq.acceptance, draft_length(seq, self.max_draft_tokens)) for seq in running
-                   if can_draft(seq)) >= MIN_EXPECTED_GAIN * len(running)
+        return self._periods(len(running)).drafting_pays(len(running), sum(map(DRAFT_GAIN, running)))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
@@ -100,11 +102,15 @@ class Speculator:
         step's rows last."""
         rows_left = self.max_rows - len(running)
         for seq in running:
-            if can_draft(seq):
+            if not draftable(seq.params):
+                seq.draft_gain = 0.0
+            elif can_draft(seq):
                 k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
                 draft = self.drafter.propose(seq, k) if k > 0 else []
                 seq.draft_token_ids = valid_draft(seq.constraint, draft) if seq.constraint and draft else draft
                 rows_left -= len(seq.draft_token_ids)
+                if not seq.draft_token_ids:
+                    seq.draft_gain *= ACCEPTANCE_MEMORY  # found nothing: gained nothing
 
     def verified(self, seqs: list[Sequence], sampled: list) -> None:
         """Counts a verification step's drafted and accepted tokens, per request and in total, before the
@@ -116,40 +122,46 @@ class Speculator:
             self.num_drafted += drafted
             self.num_accepted += accepted
             seq.acceptance = ACCEPTANCE_MEMORY * seq.acceptance + (1 - ACCEPTANCE_MEMORY) * accepted / drafted
+            seq.draft_gain = ACCEPTANCE_MEMORY * seq.draft_gain + (1 - ACCEPTANCE_MEMORY) * accepted
 
     def step_done(self, num_running: int, drafting: bool, decoding: bool, num_tokens: int) -> None:
-        """Measures a finished step: output tokens per second and request since the last one ended, recorded
-        for its batch size and mode when it only decoded and the step before ran in the same mode (a switch's
-        first step pays for the switch)."""
+        """Measures a finished step: its seconds since the last one ended, recorded for its batch size and kind
+        when it only decoded and the step before was of the same kind (a switch's first step pays for the
+        switch); a drafting step tells when to probe next by whether it gained tokens."""
         now = time.perf_counter()
+        periods = self._periods(num_running)
         if decoding and self.last_mode is drafting and self.last_step_end is not None:
-            rate = num_tokens / max(now - self.last_step_end, 1e-9) / num_running
-            self._record(num_running).record(drafting, rate)
+            periods.record(drafting, now - self.last_step_end)
+        if drafting:
+            periods.drafted(num_tokens - num_running >= MIN_EXPECTED_GAIN * num_running)
         self.last_step_end, self.last_mode = now, drafting if decoding else None
 
     def step_skipped(self) -> None:
         """A step of a batch too large to draft: the next step's time is not measured from its end."""
         self.last_mode = None
 
-    def _record(self, num_running: int) -> ModeRecord:
-        """The mode record of a batch of this size (made on first use)."""
+    def _periods(self, num_running: int) -> StepPeriods:
+        """The step periods of a batch of this size (made on first use)."""
         bucket = num_running.bit_length()
-        record = self.modes.get(bucket)
-        if record is None:
-            record = self.modes[bucket] = ModeRecord()
-        return record
+        periods = self.periods.get(bucket)
+        if periods is None:
+            periods = self.periods[bucket] = StepPeriods()
+        return periods
 
     def stats(self) -> dict:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
 
 
 def can_draft(seq: Sequence) -> bool:
-    """A decoding request whose tokens the sampler can verify: not penalised (its penalties would change
-    along the draft), not seeded unless greedy (its tokens follow its seed and positions). A constrained
-    request drafts only tokens its constraint accepts (engine/constraints.py's valid_draft)."""
-    params = seq.params
-    return (len(seq.token_ids) - seq.num_computed_tokens == 1 and not params.penalised
-            and (params.seed is None or params.greedy))
+    """A decoding request whose tokens the sampler can verify."""
+    return len(seq.token_ids) - seq.num_computed_tokens == 1 and draftable(seq.params)
+
+
+def draftable(params) -> bool:
+    """Sampling whose tokens a verification reproduces: not penalised (its penalties would change along the
+    draft), not seeded unless greedy (its tokens follow its seed and positions). A constrained request drafts
+    only tokens its constraint accepts (engine/constraints.py's valid_draft)."""
+    return not params.penalised and (params.seed is None or params.greedy)
 
 
 def draft_length(seq: Sequence, most: int) -> int:
@@ -157,7 +169,3 @@ def draft_length(seq: Sequence, most: int) -> int:
     rate = seq.acceptance
     return most if rate >= 1 else max(1, min(most, int(rate / (1 - rate)) + 1))
 
-
-def expected_accepted(rate: float, k: int) -> float:
-    """Expected accepted tokens of a k-token draft whose tokens are each accepted with probability `rate`."""
-    return k if rate >= 1 else rate * (1 - rate ** k) / (1 - rate)

@@ -25,7 +25,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import ModeRecord, Speculator
+from engine.speculation import Speculator, StepPeriods
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from random_decoders import TINY
@@ -325,19 +325,26 @@ def test_the_engine_line_reports_acceptance_only_while_speculating():
         ", draft tokens accepted 30/40 (75%)")
 
 
-def test_back_off_runs_the_faster_mode_and_retries_the_slower_less_and_less():
-    record = ModeRecord()
-    assert record.choose() is True  # drafting is measured first
-    record.record(True, 100.0)
-    assert record.choose() is False  # then plain steps
-    record.record(False, 300.0)
-    choices = [record.choose() for _ in range(2000)]
-    assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on retries"
-    retries = [i for i, drafting in enumerate(choices) if drafting and not choices[i - 1]]
-    gaps = [later - earlier for earlier, later in zip(retries, retries[1:])]
+def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
+    periods = StepPeriods()
+    assert periods.drafting_pays(4, 8.0) is True  # a drafting step is measured first
+    periods.record(True, 3.0)
+    assert periods.drafting_pays(4, 8.0) is False  # then a plain one
+    periods.record(False, 1.0)
+    assert periods.drafting_pays(4, 8.5) is True, "12.5 tokens in 3 s beat 4 tokens a second"
+    choices = []
+    for _ in range(2000):
+        choices.append(periods.drafting_pays(4, 7.5))  # 11.5 tokens in 3 s lose
+        if choices[-1]:
+            periods.drafted(gained=False)
+    assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on probes"
+    probes = [i for i, drafting in enumerate(choices) if drafting]
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    record.record(True, 1000.0)
-    assert record.choose() is True, "once drafting measures faster, it runs"
+    periods.drafted(gained=True)
+    assert [periods.drafting_pays(4, 0.0) for _ in range(16)].count(True) == 1, "a probe that gained: soon again"
+    periods.record(True, 2.0)
+    assert periods.drafting_pays(4, 7.5) is True, "once drafting steps get cheaper, it runs"
 
 
 def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
@@ -349,8 +356,8 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     assert not speculator.decide(seqs[:3]), "most requests would get no row for a draft token"
     assert speculator.decide(seqs[:2])
     for seq in seqs[:2]:
-        seq.acceptance = 0.01
-    assert not speculator.decide(seqs[:2]), "drafts that are almost never accepted"
+        seq.draft_gain = 0.01
+    assert not speculator.decide(seqs[:2]), "drafts that gain almost nothing"
 
 
 def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
