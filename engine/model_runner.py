@@ -169,10 +169,10 @@ class ModelRunner:
         launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
         to sample() once that one has been applied."""
         as_rows = ahead is None and self.buffers.verifies_as_rows(seqs, num_tokens)
-        staged = self.buffers.stage(seqs, num_tokens, self.graphs.shape_for(num_tokens, as_rows), ahead, follows,
-                                    as_rows)
-        images = self._step_images(seqs, num_tokens, ahead) if self.vision is not None and not staged.is_decode \
-            else None
+        images = self._step_images(seqs, num_tokens, ahead) if self.vision is not None and not as_rows \
+            and max(num_tokens) > 1 else None
+        graph = None if images is not None else self.graphs.shape_for(num_tokens, as_rows)  # graphs hold no images
+        staged = self.buffers.stage(seqs, num_tokens, graph, ahead, follows, as_rows)
         prompt_rows = prompt_logit_rows(seqs, num_tokens, ahead)
         logits, prompt_logprobs = self.collective("execute", staged, images, prompt_rows)
         if not staged.sample_rows:

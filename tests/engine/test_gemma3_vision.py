@@ -4,6 +4,7 @@ split an image, and preempted; the image encoder equals transformers'; the prefi
 an image but nothing from an image on when the image differs."""
 import pytest
 import torch
+from test_graph_padding import with_eager_graphs
 from vision_models import IMAGE_SIZE, greedy_with_images, image_prompt, save_gemma3_vision
 
 from engine import LLM, SamplingParams
@@ -75,6 +76,16 @@ def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, ex
     if "num_kv_blocks" in engine:
         assert llm.core.scheduler.num_preemptions > 0
     assert llm.core.block_manager.num_free_blocks == llm.core.runner.num_blocks
+
+
+def test_steps_with_images_run_eagerly_beside_the_graphs(checkpoint, pixels, prompts, expected):
+    """A graph replays its captured forward, which has no image rows: a prefill step that holds image tokens
+    runs eagerly (CPU stand-ins replay the forward on the graph's padded buffers, as a GPU does)."""
+    llm = LLM(checkpoint[0], dtype="float32")
+    graphs = with_eager_graphs(llm)
+    for got, want in zip(outputs(llm, prompts, pixels), expected):
+        assert_same(got, want)
+    assert any(graph.replays for graph in graphs.values())
 
 
 def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, prompts, expected):
