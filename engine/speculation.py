@@ -1,9 +1,10 @@
-"""Speculative decoding without a second model: which steps draft, how many tokens each request drafts, and
-what the verifications achieved.
+"""Speculative decoding: which steps draft, how many tokens each request drafts, and what the verifications
+achieved.
 
-A step that drafts gives each decoding request up to k guessed tokens (engine/drafters.py); the model scores
-the request's last token and its draft in one forward, and the sampler keeps the longest prefix the model
-itself would have produced (engine/sampler.py's verify), plus one token of its own. A drafting step needs the
+A step that drafts gives each decoding request up to k guessed tokens (engine/drafters.py, or an EAGLE-3 draft
+head's, engine/eagle3_drafter.py); the model scores the request's last token and its draft in one forward, and
+the sampler keeps the longest prefix the model itself would have produced (engine/sampler.py's verify), plus
+one token of its own. A drafting step needs the
 tokens of the step before it on the host, so it never runs overlapped: it costs the host work that overlap
 hides, and its extra tokens cost compute that a large batch does not have spare.
 
