@@ -155,11 +155,12 @@ def reference_drafts(model, w: dict, tokens: list[int], k: int, layers=AUX_LAYER
     return drafts
 
 
-@pytest.fixture(scope="module")
-def proposals(target, head, prompts):
-    """(the tokens before, the drafts) of every proposal of a chunked engine's greedy run."""
+@pytest.fixture(scope="module", params=["chunked", "preempting"])
+def proposals(request, target, head, prompts):
+    """(the tokens before, the drafts) of every proposal of two greedy runs of the prompts, the second from the
+    prefix cache."""
     llm = speculating(LLM(target[0], dtype="float32", speculative=f"eagle3:{head[0]},k=3",
-                          max_num_batched_tokens=16))
+                          **ENGINES[request.param]))
     drafter, recorded = llm.core.speculator.drafter, []
     propose = drafter.propose_batch
 
@@ -169,7 +170,9 @@ def proposals(target, head, prompts):
         return drafts
 
     drafter.propose_batch = recording
-    outputs(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    for _ in range(2):
+        outputs(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    assert llm.core.block_manager.num_hit_tokens > 0
     return recorded
 
 
@@ -177,6 +180,14 @@ def test_the_heads_drafts_equal_the_published_architectures(target, head, propos
     assert len(proposals) > 20 and all(drafts for _, drafts in proposals)
     for tokens, drafts in proposals:
         assert reference_drafts(target[1], head[1], tokens, len(drafts)) == drafts
+
+
+def test_sampled_requests_with_eagle3_drafts_take_their_tokens_and_give_back_their_blocks(target, head, prompts):
+    llm = speculating(LLM(target[0], dtype="float32", speculative=f"eagle3:{head[0]},k=4"))
+    params = SamplingParams(temperature=0.8, max_tokens=NEW, ignore_eos=True)
+    assert [len(tokens) for tokens in outputs(llm, prompts, params)] == [NEW] * len(prompts)
+    assert llm.core.stats()["spec_drafted_tokens"] > 0
+    assert_all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("mutation", [{"layers": [1, 2, 3]}, {"swap_concat": True}, {"shift": 0}])
