@@ -144,11 +144,9 @@ class ProposalPlan:
 def stored_until(blocks: list[int], table: list[int], block_size: int, last: int) -> int:
     """The first position whose keys a request must store: positions before it have theirs in blocks that are
     still its own (the keys of position p are in the slot of p + 1)."""
-    kept = 0
-    for old, new in zip(blocks, table):
-        if old != new:
-            break
-        kept += 1
+    kept = len(blocks)
+    if table[:kept] != blocks:  # a list comparison in C: the common case, nothing changed, costs no loop here
+        kept = next((i for i, (old, new) in enumerate(zip(blocks, table)) if old != new), len(table))
     return min(max(kept * block_size - 1, 0), last)
 
 

@@ -81,9 +81,8 @@ def head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, TARGET["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 33, 2)]
+def prompts(prompts_of_lengths):
+    return prompts_of_lengths((5, 17, 33, 2), seed=3)
 
 
 @pytest.fixture(scope="module")
