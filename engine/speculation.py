@@ -4,9 +4,9 @@ achieved.
 A step that drafts gives each decoding request up to k guessed tokens (engine/drafters.py, or an EAGLE-3 draft
 head's, engine/eagle3_drafter.py); the model scores the request's last token and its draft in one forward, and
 the sampler keeps the longest prefix the model itself would have produced (engine/sampler.py's verify), plus
-one token of its own. A drafting step needs the
-tokens of the step before it on the host, so it never runs overlapped: it costs the host work that overlap
-hides, and its extra tokens cost compute that a large batch does not have spare.
+one token of its own. A drafting step needs the tokens of the step before it on the host, so it never runs
+overlapped: it costs the host work that overlap hides, and its extra tokens cost compute that a large batch
+does not have spare.
 
 So speculation backs off by itself, per step:
 - per request, k follows its recent acceptance: the expected run of accepted tokens at that rate, plus one;
@@ -107,7 +107,7 @@ class Speculator:
         rows_left = self.max_rows - len(running)
         for seq in running:
             if can_draft(seq):
-                k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
+                k = self._draft_size(seq, rows_left)
                 set_draft(seq, self.drafter.propose(seq, k) if k > 0 else [])
                 rows_left -= len(seq.draft_token_ids)
 
@@ -115,7 +115,7 @@ class Speculator:
         rows_left, drafting, lengths = self.max_rows - len(running), [], []
         for seq in running:
             if can_draft(seq):
-                k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
+                k = self._draft_size(seq, rows_left)
                 seq.draft_token_ids = []
                 if k > 0:
                     drafting.append(seq)
@@ -124,6 +124,10 @@ class Speculator:
         if drafting:
             for seq, draft in zip(drafting, self.drafter.propose_batch(drafting, lengths)):
                 set_draft(seq, draft)
+
+    def _draft_size(self, seq: Sequence, rows_left: int) -> int:
+        """How many tokens a request drafts: by its acceptance, within its length limit and the step's rows."""
+        return min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
 
     def verified(self, seqs: list[Sequence], sampled: list) -> None:
         """Counts a verification step's drafted and accepted tokens, per request and in total, before the
