@@ -1,24 +1,28 @@
 """EAGLE-3 draft heads: a tiny random head saved in the published layout drafts for a tiny random target.
 
-Greedy outputs with the head's drafts equal those without, token for token, on plain, chunked and preempting
-engines, and every KV block comes back. The drafts the engine proposes equal those of a reference written here
-from the published description (the target's residual stream entering the listed layers, concatenated in
-that order and fused by fc; the head's step at position p reading the token at p + 1; concat(embedding
-normed, hidden normed); the layer's output feeding the next step), recomputed from the whole sequence at
-every proposal with no cache; the same reference with a wrong layer, the halves of the concat swapped or the
-tokens not shifted proposes other tokens. A head that does not fit the target is refused at start."""
+Greedy outputs with the head's drafts equal those without, token for token, on plain, chunked, preempting and
+grammar-constrained engines, and every KV block comes back; sampled requests with its drafts too. The drafts
+the engine proposes equal those of a reference written here from the published description (the target's
+residual stream entering the listed layers, concatenated in that order and fused by fc; the head's step at
+position p reading the token at p + 1; concat(embedding normed, hidden normed); the layer's output feeding the
+next step), recomputed from the whole sequence at every proposal with no cache; the same reference with a wrong
+layer, the halves of the concat swapped or the tokens not shifted proposes other tokens. A head that does not
+fit the target is refused at start."""
 import json
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+import xgrammar
 from safetensors.torch import save_file
+from test_constraints import SCHEMA, tiny_vocabulary
 from test_speculative import assert_all_blocks_free, outputs, speculating
 from transformers import LlamaConfig
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import parse_speculative
+from handler.grammar import GrammarConstraint
 from random_decoders import TINY, save_random_decoder
 
 TARGET = dict(TINY, num_hidden_layers=4)
@@ -179,6 +183,16 @@ def test_the_heads_drafts_equal_the_published_architectures(target, head, propos
     assert len(proposals) > 20 and all(drafts for _, drafts in proposals)
     for tokens, drafts in proposals:
         assert reference_drafts(target[1], head[1], tokens, len(drafts)) == drafts
+
+
+def test_grammar_constrained_greedy_outputs_with_eagle3_drafts_equal_those_without(target, head, prompts):
+    info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=TARGET["vocab_size"], stop_token_ids=[0])
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    params = SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[0])
+    expected = outputs(LLM(target[0], dtype="float32"), prompts, params, [GrammarConstraint(grammar) for _ in prompts])
+    llm = speculating(LLM(target[0], dtype="float32", speculative=f"eagle3:{head[0]},k=3"))
+    assert outputs(llm, prompts, params, [GrammarConstraint(grammar) for _ in prompts]) == expected
+    assert_all_blocks_free(llm)
 
 
 def test_sampled_requests_with_eagle3_drafts_take_their_tokens_and_give_back_their_blocks(target, head, prompts):
