@@ -222,6 +222,11 @@ def test_a_head_that_does_not_fit_the_target_is_refused_at_start(target, tmp_pat
         LLM(target[0], dtype="float32", speculative=f"eagle3:{tmp_path}")
 
 
+def test_a_head_directory_without_a_checkpoint_is_refused_at_start(target, tmp_path):
+    with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE=eagle3:.*holds no config.json: give the directory"):
+        LLM(target[0], dtype="float32", speculative=f"eagle3:{tmp_path}")
+
+
 @pytest.mark.parametrize("raw, parsed", [("eagle3:/heads/Q8b,k=3", ("eagle3", 3, "/heads/Q8b")),
                                          ("EAGLE3:/heads/a,b", ("eagle3", 4, "/heads/a,b")),
                                          ("eagle3: /heads/x ", ("eagle3", 4, "/heads/x"))])
