@@ -1,7 +1,9 @@
 """Drafts from an EAGLE-3 head (models/eagle3.py): k guesses per request, from the target's own hidden states.
 
 What the head reads is kept beside the target's KV cache, in the same slots (a request's position p in the slot
-its block table gives p), so it needs no bookkeeping of its own per request beyond what the block manager does:
+its block table gives p), budgeted with the pool, so it follows the block manager's allocation, prefix caching
+and rollback with little bookkeeping of its own (rather than recomputing the head over the whole context at
+every proposal, which would cost a pass over every token of every drafting request at each step):
 - the fused auxiliary states: every forward that fills the target's cache hands its rows to store() (the
   target's aux sink), which writes fc(aux) at the rows' slots; a position recomputed later (a rejected draft
   token, a preempted request) is overwritten. A prefix-cache hit finds them where the prompt's first request
@@ -16,7 +18,8 @@ position m - 1 (the target's state there and token m), then k - 1 more, each fro
 its previous guess, attending to the stored keys and to those of its own earlier steps (which are kept in the
 step's buffers only: the next proposal starts again from the target's states). A request remembers the
 blocks whose slots all hold its keys (seq.draft_state); a block that changed (preemption, rejected drafts'
-blocks given back) is stored again.
+blocks given back) is stored again. A block of its own that a preempted request gets back after another
+request stored keys in it would be trusted: a draft's quality depends on the keys, never an output.
 
 Drafts take the head's most likely token: a drafter that proposes a token with certainty is what the sampler's
 verification rule (engine/sampler.py's verify) expects, so sampled outputs keep the target's distribution.
