@@ -104,8 +104,9 @@ def test_greedy_outputs_with_eagle3_drafts_equal_those_without(target, head, pro
     if engine == "preempting":
         assert llm.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm)
-    assert outputs(llm, prompts, params) == reference, "again, the prompts' states from the prefix cache"
-    assert_all_blocks_free(llm)
+    if engine == "plain":
+        assert outputs(llm, prompts, params) == reference, "again, the prompts' states from the prefix cache"
+        assert_all_blocks_free(llm)
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = HEAD["rms_norm_eps"]) -> torch.Tensor:
