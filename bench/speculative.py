@@ -23,11 +23,16 @@ prompts, speculation off, in four batches of a quarter of the size, and shows ho
 differs when only the batch's shape changes.
 
 --step-cost instead times one engine step on random weights of a shape (default: the Qwen3-0.6B shape) for
-batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step.
+batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step. With
+--draft-cost, the engine also loads a random EAGLE-3 head of the shape's width (bench/models' config: its
+hidden size, heads, MLP width and vocabulary; DRAFT_VOCAB draft tokens; the default auxiliary layers), so every
+step also hands the head its auxiliary states, and times the head's drafting of k tokens for the batch (a
+steady-state proposal: one new position per request) beside each verification step.
 """
 import argparse
 import glob
 import importlib.metadata
+import json
 import os
 import statistics
 import sys
@@ -36,16 +41,22 @@ import types
 
 import gguf
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, LlamaConfig
 
 import models.gguf_loader as gguf_loader
 from engine import LLM, SamplingParams
 from engine.speculation import Speculator
+from models.eagle3 import Eagle3Head
+from models.llama import head_dim_of
+from models.rotary import rope_parameters
 from random_model import make_random_model
 from throughput import workload
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK_CHARS = 1600
 CONTEXT = 512  # --step-cost: tokens each request has in the cache
+DRAFT_VOCAB = 32000  # --draft-cost: the random EAGLE-3 head's draft vocabulary (the published heads')
 CODE_SOURCES = ("engine/*.py", "models/*.py", "kernels/*.py", "handler/*.py")
 DOC_SOURCES = ("README.md", "docs/*.md")
 CODE_TASK = "Repeat the following text exactly, without any change:\n\n{text}"
@@ -200,14 +211,43 @@ def workloads_table(args) -> None:
               f"{row[7]:7.1f} {row[8]:9.2f} {row[9]}")
 
 
+def random_eagle3_head(target_dir: str, device: str) -> str:
+    """A random bf16 EAGLE-3 head for the target model in target_dir, saved once beside it."""
+    out_dir = target_dir.rstrip("/") + "-eagle3"
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    target = AutoConfig.from_pretrained(target_dir).get_text_config()
+    config = LlamaConfig(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                         num_attention_heads=target.num_attention_heads,
+                         num_key_value_heads=target.num_key_value_heads, head_dim=head_dim_of(target),
+                         vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
+                         rms_norm_eps=target.rms_norm_eps, rope_theta=rope_parameters(target)["rope_theta"],
+                         draft_vocab_size=min(DRAFT_VOCAB, target.vocab_size),
+                         architectures=["LlamaForCausalLMEagle3"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        head = Eagle3Head(config, target.hidden_size, max_model_len=1)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    save_file({name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+               for name, tensor in head.state_dict().items()}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
 def step_cost(args) -> None:
-    """Median time of one step for B requests with k draft tokens each (k = 0: the plain decode step)."""
-    llm = LLM(make_random_model(args.shape), speculative=f"ngram:k={max(args.draft_lengths)}",
-              max_num_seqs=max(args.batches))
+    """Median time of one step for B requests with k draft tokens each (k = 0: the plain decode step), and
+    with --draft-cost the median time of a random EAGLE-3 head's drafting of those k tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = make_random_model(args.shape, device=device, overrides=args.shape_overrides)
+    most = max(args.draft_lengths)
+    speculative = f"eagle3:{random_eagle3_head(target, device)},k={most}" if args.draft_cost else f"ngram:k={most}"
+    llm = LLM(target, speculative=speculative, max_num_seqs=max(args.batches))
     core = llm.core
+    drafter = core.speculator.drafter
     core.overlap, core.speculator = False, None  # steps come back in order; drafts are set by hand
-    warm_lm_head(llm, max(args.draft_lengths))
-    print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}")
+    warm_lm_head(llm, most)
+    print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}" + (f" {'draft ms':>8} {'both vs k=0':>11}"
+                                                                     if args.draft_cost else ""))
     for batch in args.batches:
         context = min(CONTEXT, core.max_model_len // 2)
         seqs = [core.make_sequence(i, [7 + i % 100] * context, SamplingParams(temperature=0, max_tokens=64))
@@ -223,18 +263,28 @@ def step_cost(args) -> None:
             num_tokens = [1 + k] * batch
             for seq in seqs:
                 assert core.block_manager.allocate(seq, 1 + k)
-            times = []
-            for _ in range(args.repeats):
-                synchronize()
-                started = time.perf_counter()
-                core.runner.finish(core.runner.launch(seqs, num_tokens))
-                times.append(time.perf_counter() - started)
-            ms = 1000 * statistics.median(times[2:])
+            ms = median_ms(lambda: core.runner.finish(core.runner.launch(seqs, num_tokens)), args.repeats)
             base = base or ms
-            print(f"{batch:5d} {k:3d} {ms:8.3f} {ms / base:7.2f}", flush=True)
+            line = f"{batch:5d} {k:3d} {ms:8.3f} {ms / base:7.2f}"
+            if args.draft_cost and k:
+                draft_ms = median_ms(lambda: drafter.propose_batch(seqs, [k] * batch), args.repeats)
+                line += f" {draft_ms:8.3f} {(ms + draft_ms) / base:11.2f}"
+            print(line, flush=True)
         for seq in seqs:
             seq.draft_token_ids = []
             core.abort(seq)
+
+
+def median_ms(call, repeats: int) -> float:
+    """The median wall time of call() in milliseconds, the first two runs left out (warm-up)."""
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        started = time.perf_counter()
+        call()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times[2:])
 
 
 def main():
@@ -248,6 +298,10 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="rounds of every mode per workload and batch (median)")
     ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
     ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")
+    ap.add_argument("--shape-overrides", type=json.loads, default=None,
+                    help="--step-cost: JSON of config fields to change (a tiny shape for a CPU trial)")
+    ap.add_argument("--draft-cost", action="store_true",
+                    help="--step-cost: also time a random EAGLE-3 head's drafting of k tokens")
     ap.add_argument("--draft-lengths", type=lambda s: [int(k) for k in s.split(",")], default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()

@@ -39,7 +39,7 @@ class EngineConfig:
     fp8_gemm: str = "scaled_mm"         # HFENDPOINT_FP8_GEMM: FP8 checkpoints' GEMM on Hopper (models/fp8.py)
     kv_cache_dtype: str = "auto"        # HFENDPOINT_KV_CACHE_DTYPE: auto = the model's dtype, fp8 = e4m3 (2x tokens)
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
-    speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix, optionally :k=N (draft tokens)
+    speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix [:k=N] | eagle3:PATH [,k=N]
     data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
 
     def __post_init__(self):
@@ -65,7 +65,7 @@ class EngineConfig:
         _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
         self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
         _check("speculative", isinstance(self.speculative, str), SPECULATIVE_FORMS)
-        self.speculative_method, self.num_speculative_tokens = parse_speculative(self.speculative)
+        self.speculative_method, self.num_speculative_tokens, self.draft_head = parse_speculative(self.speculative)
         _check("fp8_gemm", self.fp8_gemm in FP8_GEMMS, f"one of {', '.join(FP8_GEMMS)}")
         _check("gpu_features", isinstance(self.gpu_features, str), gpu_features.SPEC_HELP)
         self.disabled_gpu_features = gpu_features.parse(self.gpu_features)
@@ -134,23 +134,31 @@ def auto_dtype(device: torch.device, disabled_features: frozenset[str] = frozens
 
 
 UNSET_INTS = ("max_model_len", "num_kv_blocks")  # None: chosen at start-up (the model's maximum, what fits)
-SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "eagle3")
 DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS = 4, 16
 SPECULATIVE_FORMS = (f"off, ngram or suffix, optionally with the most draft tokens per step as ':k=N' "
-                     f"(1 <= N <= {MAX_DRAFT_TOKENS}; default {DEFAULT_DRAFT_TOKENS}), e.g. ngram:k=4")
+                     f"(1 <= N <= {MAX_DRAFT_TOKENS}; default {DEFAULT_DRAFT_TOKENS}), e.g. ngram:k=4; or "
+                     "eagle3:PATH with an EAGLE-3 draft head's directory, optionally ',k=N', e.g. eagle3:/heads/h,k=3")
 
 
-def parse_speculative(spec: str) -> tuple[str, int]:
-    """(method, most draft tokens per step) of a speculative-decoding setting; ("off", 0) when off."""
-    method, _, options = spec.strip().lower().partition(":")
+def parse_speculative(spec: str) -> tuple[str, int, str | None]:
+    """(method, most draft tokens per step, the draft head's directory for eagle3 else None) of a
+    speculative-decoding setting; ("off", 0, None) when off."""
+    method, _, options = spec.strip().partition(":")
+    method, path = method.strip().lower(), None
+    if method == "eagle3":
+        path, comma, tail = options.rpartition(",")
+        path, options = (path, tail) if comma and tail.partition("=")[0].strip().lower() == "k" else (options, "")
+        path = path.strip()
+        _check("speculative", bool(path), SPECULATIVE_FORMS)
     k = DEFAULT_DRAFT_TOKENS
     if options:
         name, _, value = options.partition("=")
-        _check("speculative", name.strip() == "k" and value.strip().isdigit(), SPECULATIVE_FORMS)
+        _check("speculative", name.strip().lower() == "k" and value.strip().isdigit(), SPECULATIVE_FORMS)
         k = int(value)
     _check("speculative", method in SPECULATIVE_METHODS and 1 <= k <= MAX_DRAFT_TOKENS
            and not (method == "off" and options), SPECULATIVE_FORMS)
-    return method, 0 if method == "off" else k
+    return method, 0 if method == "off" else k, path
 
 
 ENV_NAMES = {

@@ -31,7 +31,8 @@ STATS_INTERVAL_S = 0.5
 # What the handler reads of a Worker besides its methods: a spawned engine reports them once it is ready.
 WORKER_FACTS = ("kind", "model_dir", "hidden_size", "vocab_size", "eos_token_ids", "max_model_len",
                 "max_embedding_tokens", "weight_bytes")
-SUMMED_STATS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "num_preemptions")
+SUMMED_STATS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "num_preemptions", "spec_drafted_tokens",
+                "spec_accepted_tokens")
 
 
 def make_worker(config: EngineConfig, on_fatal=None):

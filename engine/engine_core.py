@@ -40,8 +40,8 @@ class EngineCore:
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
         if config.num_speculative_tokens:
             check_speculation(config, self.runner)
-        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs)
-                           if config.num_speculative_tokens else None)
+        self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs,
+                                      self.runner.drafter) if config.num_speculative_tokens else None)
         self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -36,14 +36,16 @@ KV_SCALE_MARGIN = 4
 E4M3_MAX = torch.finfo(FP8_KV_CACHE_DTYPE).max
 
 
-def allocate_kv_cache(model, config: EngineConfig, max_model_len: int, model_dir: str) -> int:
+def allocate_kv_cache(model, config: EngineConfig, max_model_len: int, model_dir: str, extra_block_bytes: int = 0
+                      ) -> int:
     """Allocates the keys and values of every layer (and an FP8 cache's scales, read from the checkpoint in
-    model_dir or calibrated) and hands them to the model; returns the number of blocks."""
+    model_dir or calibrated) and hands them to the model; returns the number of blocks. extra_block_bytes: what
+    the caller keeps per block beside it (a draft head's states, engine/eagle3_drafter.py), in the budget."""
     device, dtype = next(model.parameters()).device, config.kv_cache_torch_dtype
     # Scales first: calibration's temporary cache is gone before the pool is sized.
     scales = fp8_kv_scales(model, config, model_dir, max_model_len) if dtype == FP8_KV_CACHE_DTYPE else ()
     shape = model.kv_cache_shape(1, config.block_size)
-    block_bytes = 2 * int(np.prod(shape)) * dtype.itemsize
+    block_bytes = 2 * int(np.prod(shape)) * dtype.itemsize + extra_block_bytes
     num_blocks = config.num_kv_blocks or (
         blocks_fitting_gpu(model, config, max_model_len, block_bytes) if device.type == "cuda"
         else blocks_fitting_cpu(config, max_model_len, block_bytes))

@@ -30,6 +30,7 @@ from torch import Tensor
 from engine.config import EngineConfig
 from engine.constraints import TokenMasks
 from engine.cuda_graphs import CudaGraphs
+from engine.eagle3_drafter import Eagle3Drafter, check_eagle3
 from engine.embedding import forward_decoder
 from engine.images import StepImages, step_images
 from engine.kv_cache import allocate_kv_cache
@@ -39,6 +40,7 @@ from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import Sequence
 from engine.startup_log import note, took
 from engine.step_inputs import StagedStep, StepBuffers
+from models.eagle3 import Eagle3Head, load_head
 from models.parallel_layers import tp_rank, tp_size
 
 log = logging.getLogger(__name__)
@@ -103,9 +105,14 @@ class ModelRunner:
         self.lm_head_rows: list[int] = []  # row counts the warm-up has still to run the LM head at (on CUDA)
         self.warm_up_s = 0.0
         self.num_blocks = 0
+        self.drafter: Eagle3Drafter | None = None  # the drafts of HFENDPOINT_SPECULATIVE=eagle3 (engine/speculation.py)
         if not self.can_generate:
             return
-        self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len, loaded.model_dir)
+        head = self._draft_head(config, loaded.hf_config) if config.speculative_method == "eagle3" else None
+        extra = Eagle3Drafter.block_bytes(head[0], config.block_size, self.dtype) if head else 0
+        self.num_blocks = allocate_kv_cache(self.model, config, self.max_model_len, loaded.model_dir, extra)
+        if head:
+            self.drafter = self._eagle3_drafter(*head)
         if self.num_blocks * self.block_size < self.max_model_len:  # one request must fit in the pool
             self.max_model_len = self.num_blocks * self.block_size
             self.context_bound = "what the KV pool holds for one request"
@@ -124,6 +131,23 @@ class ModelRunner:
                 self.graphs.plan_all()
         if ranks:
             ranks.release_at_shutdown(self.graphs.captured)
+
+    def _draft_head(self, config: EngineConfig, hf_config) -> tuple[Eagle3Head, tuple[int, ...]]:
+        """The EAGLE-3 head of HFENDPOINT_SPECULATIVE=eagle3:PATH and the target layers it reads; ValueError
+        naming the setting when it cannot serve this model."""
+        check_eagle3(config, self.model, tp_size())
+        try:
+            return load_head(config.draft_head, hf_config.get_text_config(), self.max_model_len, self.dtype,
+                             self.device)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"HFENDPOINT_SPECULATIVE={config.speculative}: {exc}") from None
+
+    def _eagle3_drafter(self, head: Eagle3Head, layers: tuple[int, ...]) -> Eagle3Drafter:
+        """The drafter over the KV pool's blocks, fed the target's auxiliary states by every forward."""
+        head.share_embeddings(self.model.model.embed_tokens.weight)
+        drafter = Eagle3Drafter(head, self.num_blocks, self.block_size)
+        self.model.set_aux_sink(layers, drafter.store)
+        return drafter
 
     @property
     def warming_up(self) -> bool:

@@ -1,11 +1,12 @@
-"""Speculative decoding without a second model: which steps draft, how many tokens each request drafts, and
-what the verifications achieved.
+"""Speculative decoding: which steps draft, how many tokens each request drafts, and what the verifications
+achieved.
 
-A step that drafts gives each decoding request up to k guessed tokens (engine/drafters.py); the model scores
-the request's last token and its draft in one forward, and the sampler keeps the longest prefix the model
-itself would have produced (engine/sampler.py's verify), plus one token of its own. A drafting step needs the
-tokens of the step before it on the host, so it never runs overlapped: it costs the host work that overlap
-hides, and its extra tokens cost compute that a large batch does not have spare.
+A step that drafts gives each decoding request up to k guessed tokens (engine/drafters.py, or an EAGLE-3 draft
+head's, engine/eagle3_drafter.py); the model scores the request's last token and its draft in one forward, and
+the sampler keeps the longest prefix the model itself would have produced (engine/sampler.py's verify), plus
+one token of its own. A drafting step needs the tokens of the step before it on the host, so it never runs
+overlapped: it costs the host work that overlap hides, and its extra tokens cost compute that a large batch
+does not have spare.
 
 So speculation backs off by itself, per step:
 - per request, k follows its recent acceptance (the expected run of accepted tokens at that rate, plus one),
@@ -74,10 +75,11 @@ class StepPeriods:
 
 
 class Speculator:
-    def __init__(self, method: str, max_draft_tokens: int, max_rows: int):
+    def __init__(self, method: str, max_draft_tokens: int, max_rows: int, drafter=None):
         """max_rows: the most rows a decode step has (max_num_seqs): a step's drafts are cut to fit its requests'
-        rows and theirs into one, so that it verifies them as a decode step (engine/step_inputs.py)."""
-        self.drafter = DRAFTERS[method]()
+        rows and theirs into one, so that it verifies them as a decode step (engine/step_inputs.py). drafter:
+        one the runner made (a draft model's, engine/eagle3_drafter.py), else the method's own."""
+        self.drafter = drafter or DRAFTERS[method]()
         self.max_draft_tokens, self.max_rows = max_draft_tokens, max_rows
         self.adaptive = True  # False: every step drafts (tests)
         self.periods: dict[int, StepPeriods] = {}
@@ -99,18 +101,37 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Gives each decoding request that may draft its draft tokens for the next step, oldest first while the
-        step's rows last."""
+        step's rows last. A batched drafter (a draft model's) proposes for all of them in one call, each
+        request's k counted against the rows."""
+        if getattr(self.drafter, "batched", False):
+            self._propose_batch(running)
+            return
         rows_left = self.max_rows - len(running)
         for seq in running:
             if not draftable(seq.params):
                 seq.draft_gain = 0.0
             elif can_draft(seq):
-                k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
-                draft = self.drafter.propose(seq, k) if k > 0 else []
-                seq.draft_token_ids = valid_draft(seq.constraint, draft) if seq.constraint and draft else draft
+                k = self._draft_size(seq, rows_left)
+                set_draft(seq, self.drafter.propose(seq, k) if k > 0 else [])
                 rows_left -= len(seq.draft_token_ids)
-                if not seq.draft_token_ids:
-                    seq.draft_gain *= ACCEPTANCE_MEMORY  # found nothing: gained nothing
+
+    def _propose_batch(self, running: list[Sequence]) -> None:
+        rows_left, drafting, lengths = self.max_rows - len(running), [], []
+        for seq in running:
+            if can_draft(seq):
+                k = self._draft_size(seq, rows_left)
+                seq.draft_token_ids = []
+                if k > 0:
+                    drafting.append(seq)
+                    lengths.append(k)
+                    rows_left -= k
+        if drafting:
+            for seq, draft in zip(drafting, self.drafter.propose_batch(drafting, lengths)):
+                set_draft(seq, draft)
+
+    def _draft_size(self, seq: Sequence, rows_left: int) -> int:
+        """How many tokens a request drafts: by its acceptance, within its length limit and the step's rows."""
+        return min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
 
     def verified(self, seqs: list[Sequence], sampled: list) -> None:
         """Counts a verification step's drafted and accepted tokens, per request and in total, before the
@@ -150,6 +171,14 @@ class Speculator:
 
     def stats(self) -> dict:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
+
+
+def set_draft(seq: Sequence, draft: list[int]) -> None:
+    """A request's draft for the next step: the drafter's, cut where its constraint would reject a token. A
+    request for which the drafter found nothing gained nothing."""
+    seq.draft_token_ids = valid_draft(seq.constraint, draft) if seq.constraint and draft else draft
+    if not seq.draft_token_ids:
+        seq.draft_gain *= ACCEPTANCE_MEMORY
 
 
 def can_draft(seq: Sequence) -> bool:

@@ -3,8 +3,9 @@
 Measured here, per HTTP request: counts by route and status, the request's duration, time to first token
 and time per output token of chat requests. From the handler's `stats` handler (the health probe's last
 answer): running and waiting requests, KV cache blocks used and total, prefix-cache hit rate, preemptions,
-the handler's resident memory, and whether the handler is ready; with several data-parallel engines, each
-one's gauges too (label `engine`).
+the handler's resident memory, whether the handler is ready, and speculative decoding's draft tokens verified
+and accepted (their ratio is the acceptance rate); with several data-parallel engines, each one's gauges and
+draft counts too (label `engine`).
 """
 from collections.abc import Callable
 
@@ -72,19 +73,28 @@ class _EngineCollector:
         if _is_number(stats.get("num_total_blocks")) and _is_number(stats.get("num_free_blocks")):
             yield GaugeMetricFamily(f"{PREFIX}_kv_cache_blocks_used", "KV cache blocks holding tokens",
                                     value=stats["num_total_blocks"] - stats["num_free_blocks"])
-        if _is_number(stats.get("num_preemptions")):
-            yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted for lack of KV cache blocks",
-                                      value=stats["num_preemptions"])
+        for key, name, documentation in COUNTERS:
+            if _is_number(stats.get(key)):
+                yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=stats[key])
         engines = stats.get("engines")
         if isinstance(engines, list) and engines:
-            yield from _per_engine(gauges, [e if isinstance(e, dict) else {} for e in engines])
+            engines = [e if isinstance(e, dict) else {} for e in engines]
+            yield from _per_engine(gauges, engines, GaugeMetricFamily)
+            yield from _per_engine(COUNTERS, engines, CounterMetricFamily)
 
 
-def _per_engine(gauges, engines: list[dict]):
-    """With data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE), each engine's own gauges, labelled by its index."""
-    for key, name, documentation in gauges:
-        family = GaugeMetricFamily(f"{PREFIX}_engine_{name}", f"{documentation}, per data-parallel engine",
-                                   labels=["engine"])
+# The engine's counters since start: (stats key, metric name, documentation).
+COUNTERS = (("num_preemptions", "preemptions", "Requests preempted for lack of KV cache blocks"),
+            ("spec_drafted_tokens", "spec_draft_tokens", "Speculative decoding: draft tokens verified"),
+            ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative decoding: draft tokens accepted"))
+
+
+def _per_engine(metrics, engines: list[dict], family_type):
+    """With data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE), each engine's own gauges or counters, labelled by
+    its index."""
+    for key, name, documentation in metrics:
+        family = family_type(f"{PREFIX}_engine_{name}", f"{documentation}, per data-parallel engine",
+                             labels=["engine"])
         for index, stats in enumerate(engines):
             if _is_number(stats.get(key)):
                 family.add_metric([str(index)], stats[key])

@@ -22,6 +22,7 @@ capture it in a CUDA graph.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -236,6 +237,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotaries[kind], layout, quant, window, is_moe_layer(config, i))
                                     for i, (kind, window) in enumerate(zip(types, layer_windows(config))))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_offset(config))
+        self.aux_layers: tuple[int, ...] = ()  # layers whose input aux_sink receives (set_aux_sink)
+        self.aux_sink: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -245,8 +248,14 @@ class LlamaModel(nn.Module):
         if image_embeds is not None:  # (rows, their embeddings): an image's soft tokens, not scaled
             rows, embeds = image_embeds
             x = x.index_put((rows,), embeds.to(x.dtype))
-        for layer in self.layers:
+        capture = self.aux_sink is not None and meta.slot_mapping is not None  # a step that fills the KV cache
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if capture and i in self.aux_layers:
+                captured[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, meta)
+        if capture:
+            self.aux_sink(torch.cat([captured[i] for i in self.aux_layers], dim=-1), meta.slot_mapping)
         x, _ = self.norm(x, residual)
         return x
 
@@ -298,6 +307,12 @@ class LlamaForCausalLM(nn.Module):
         image_embeds: (rows [R], embeddings [R, H]) that replace the token embeddings of those rows (the soft
         tokens of images, models/gemma3_vision.py)."""
         return self.model(input_ids, positions, meta, image_embeds)
+
+    def set_aux_sink(self, layers: tuple[int, ...], sink: Callable[[Tensor, Tensor], None] | None) -> None:
+        """Hands the residual stream entering each of `layers` (concatenated in that order, [T, len(layers) H])
+        and the step's KV-cache slots to sink(states, slot_mapping) at every forward that fills the cache (an
+        EAGLE-3 draft head's inputs, engine/eagle3_drafter.py); None stops it."""
+        self.model.aux_layers, self.model.aux_sink = tuple(layers), sink
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """Logits [N, V] in the model's dtype for the hidden states of the N tokens that sample (None on

@@ -261,8 +261,8 @@ def test_suffix_drafter_forgets_the_oldest_outputs_past_its_capacity():
     assert drafter.next_counts == {(9, 5): {6: 1}, (5, 6): {7: 1}}, "only the newest outputs' counts are left"
 
 
-@pytest.mark.parametrize("raw, parsed", [("off", ("off", 0)), ("ngram", ("ngram", 4)), ("suffix:k=7", ("suffix", 7)),
-                                         (" NGRAM:k=2 ", ("ngram", 2))])
+@pytest.mark.parametrize("raw, parsed", [("off", ("off", 0, None)), ("ngram", ("ngram", 4, None)),
+                                         ("suffix:k=7", ("suffix", 7, None)), (" NGRAM:k=2 ", ("ngram", 2, None))])
 def test_speculative_setting_parses(raw, parsed):
     assert parse_speculative(raw) == parsed
 

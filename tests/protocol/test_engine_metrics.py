@@ -30,3 +30,15 @@ def test_each_engine_has_its_own_gauges():
 def test_one_engine_has_no_per_engine_gauges():
     found = samples({"running": 1, "waiting": 0, "num_free_blocks": 5, "num_total_blocks": 10})
     assert not any(name.startswith("nanovllm_engine_") for name, _ in found)
+
+
+def test_speculative_decoding_counts_draft_tokens_verified_and_accepted():
+    engines = [{"spec_drafted_tokens": 40, "spec_accepted_tokens": 30}, {"spec_drafted_tokens": 0,
+                                                                         "spec_accepted_tokens": 0}]
+    found = samples({"running": 0, "spec_drafted_tokens": 40, "spec_accepted_tokens": 30, "engines": engines})
+    assert found[("nanovllm_spec_draft_tokens_total", ())] == 40
+    assert found[("nanovllm_spec_accepted_tokens_total", ())] == 30
+    for index, engine in enumerate(engines):
+        label = (("engine", str(index)),)
+        assert found[("nanovllm_engine_spec_draft_tokens_total", label)] == engine["spec_drafted_tokens"]
+        assert found[("nanovllm_engine_spec_accepted_tokens_total", label)] == engine["spec_accepted_tokens"]
