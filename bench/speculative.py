@@ -246,6 +246,7 @@ def step_cost(args) -> None:
     drafter = core.speculator.drafter
     core.overlap, core.speculator = False, None  # steps come back in order; drafts are set by hand
     warm_lm_head(llm, most)
+    core.finish_warm_up()  # the CUDA graphs, captured now rather than before a first decode step
     print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}" + (f" {'draft ms':>8} {'both vs k=0':>11}"
                                                                      if args.draft_cost else ""))
     for batch in args.batches:
