@@ -104,11 +104,9 @@ class Case:
         return fused_moe(self.x, self.ids, self.weights, *self.experts(), tiles=tiles, **self.kwargs)
 
     def layer(self):
-        from kernels.triton_linear import decode_linear
-        from kernels.triton_moe import fused_moe, select_experts
+        from kernels.triton_moe import routed_experts
 
-        ids, weights = select_experts(decode_linear(self.x, self.router, None), self.top_k, True)
-        return fused_moe(self.x, ids, weights, *self.experts(), **self.kwargs)
+        return routed_experts(self.x, self.router, None, self.top_k, True, *self.experts(), **self.kwargs)
 
     def reference(self):
         from kernels import reference
