@@ -13,9 +13,9 @@ The weights are random (speed depends on shapes, not values) and drawn on the GP
 After the TPOT rows it prints where one batch-1 decode step's GPU time goes: a profile (torch.profiler, CUDA
 activities) of replayed decode steps, per kernel name, in launches and microseconds per step and per layer
 (with tensor parallelism, rank 0's GPU). --tpot-only skips TTFT, throughput and the MoE layer alone, for a
-quick before/after: --sorted-decode runs one-token steps on the sorted path (kernels/triton_moe.py's
-DIRECT_MAX_TOKENS set to 0 in this process and, through the environment variable SORTED_DECODE_ENV names,
-in its spawned tensor-parallel ranks; a switch for this bench only).
+quick before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MAX_TOKENS (0: every step on the
+sorted path, as before direct routing) in this process and, through the environment variable
+DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only.
 
 Floors, at the copy bandwidth and bf16 matmul rate measured here:
 - a decode step of B sequences reads the dense weights (attention, routers, norms, LM head), the experts it
@@ -51,10 +51,10 @@ from latency import (
 from random_model import config_only_model, draw_weights_at_load
 from throughput import workload
 
-SORTED_DECODE_ENV = "MOE_MODEL_SORTED_DECODE"
+DIRECT_MAX_TOKENS_ENV = "MOE_MODEL_DIRECT_MAX_TOKENS"
 draw_weights_at_load()  # at import: spawned tensor-parallel ranks import this script again
-if os.environ.get(SORTED_DECODE_ENV) == "1":
-    triton_moe.DIRECT_MAX_TOKENS = 0
+if os.environ.get(DIRECT_MAX_TOKENS_ENV):
+    triton_moe.DIRECT_MAX_TOKENS = int(os.environ[DIRECT_MAX_TOKENS_ENV])
 
 TPOT_BATCHES = (1, 64)
 PROFILED_STEPS = 10
@@ -193,12 +193,11 @@ def main():
     ap.add_argument("--skip-layer", action="store_true", help="skip the MoE layer alone")
     ap.add_argument("--tpot-only", action="store_true",
                     help="only TPOT and the batch-1 kernel breakdown (no TTFT, throughput or MoE layer alone)")
-    ap.add_argument("--sorted-decode", action="store_true",
-                    help="one-token steps on the sorted MoE path (the path before direct routing), for comparison")
+    ap.add_argument("--direct-max-tokens", type=int, default=triton_moe.DIRECT_MAX_TOKENS,
+                    help="steps of up to this many tokens route directly (0: all sorted by expert, as before)")
     args = ap.parse_args()
-    if args.sorted_decode:
-        os.environ[SORTED_DECODE_ENV] = "1"
-        triton_moe.DIRECT_MAX_TOKENS = 0
+    os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
+    triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
     bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
     model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts)
     quantized = "quantization_config" in AutoConfig.from_pretrained(model_dir).to_dict()
@@ -231,9 +230,8 @@ def main():
         floor_throughput = total / floors.workload_s(prompts, params)
     llm.shutdown()
 
-    routing = "sorted (--sorted-decode)" if args.sorted_decode else f"direct up to {triton_moe.DIRECT_MAX_TOKENS}"
     print(f"\n== {args.model} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
-          f"{args.tensor_parallel_size}, one-token MoE routing {routing}, on "
+          f"{args.tensor_parallel_size}, MoE routed directly up to {args.direct_max_tokens} tokens, on "
           f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} "
           "TFLOP/s (measured)")
     print(f"per GPU: dense weights read per step {floors.dense_bytes / 1e9:.2f} GB, one expert "

@@ -71,8 +71,8 @@ TILE_TABLE = (
 
 # Steps of at most this many tokens are routed directly (route, fused_moe): the router GEMM and the top-k in one
 # launch, no sort by expert (each token's k rows are the GEMMs' blocks: one token's k experts are distinct, so no
-# expert is read twice), and the down GEMM sums each token's k rows itself. bench/moe_model.py's --sorted-decode
-# sets it to 0 to time the sorted path at batch 1 too.
+# expert is read twice), and the down GEMM sums each token's k rows itself. bench/moe_model.py's
+# --direct-max-tokens sets it, to time other bounds (0: the sorted path at batch 1 too).
 DIRECT_MAX_TOKENS = 1
 ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128  # route's tile: experts by columns of K
 ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
