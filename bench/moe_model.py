@@ -223,7 +223,7 @@ def main():
         tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
         contexts = np.full(batch, args.prompt_len + args.steps // 2)
         rows.append((f"TPOT batch {batch} ctx {args.prompt_len}", tpot, floors.decode_step_s(contexts)))
-    kernels = decode_kernels(core, args.prompt_len)
+    kernels, num_layers = decode_kernels(core, args.prompt_len), len(core.runner.model.model.layers)
     if not args.tpot_only:
         throughput, total = measure_throughput(llm, args.repeat)
         prompts, params = workload()
@@ -240,7 +240,7 @@ def main():
     print(f"{'metric':<28} {'measured':>12} {'floor':>12} {'floor/measured':>15}")
     for name, seconds, floor in rows:
         print(f"{name:<28} {seconds * 1e3:9.2f} ms {floor * 1e3:9.2f} ms {floor / seconds:14.0%}")
-    print_decode_kernels(kernels, len(core.runner.model.model.layers))
+    print_decode_kernels(kernels, num_layers)
     if args.tpot_only:
         return
     print(f"{f'throughput ({len(prompts)} requests)':<28} {throughput:8,.0f} t/s {floor_throughput:8,.0f} t/s "
