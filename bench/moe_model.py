@@ -10,6 +10,13 @@ serve the same shape with bf16 experts (its dequantized self).
 The weights are random (speed depends on shapes, not values) and drawn on the GPU at load
 (bench/random_model.py's draw_weights_at_load): nothing is written to or read from disk.
 
+After the TPOT rows it prints where one batch-1 decode step's GPU time goes: a profile (torch.profiler, CUDA
+activities) of replayed decode steps, per kernel name, in launches and microseconds per step and per layer
+(with tensor parallelism, rank 0's GPU). --tpot-only skips TTFT, throughput and the MoE layer alone, for a
+quick before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MAX_TOKENS (0: every step on the
+sorted path, as before direct routing) in this process and, through the environment variable
+DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only.
+
 Floors, at the copy bandwidth and bf16 matmul rate measured here:
 - a decode step of B sequences reads the dense weights (attention, routers, norms, LM head), the experts it
   routes to in every layer, and its sequences' KV cache (within each layer's window). Random routers route as
@@ -20,16 +27,21 @@ Floors, at the copy bandwidth and bf16 matmul rate measured here:
   (max_num_seqs 256) until its own output ends.
 """
 import argparse
+import os
+import re
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 import torch
 from moe_speed import SHAPES, Case, copy_bandwidth, graph_us, matmul_flops
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
+from kernels import triton_moe
 from latency import (
     random_prompt,
     run_to_first_token,
@@ -39,9 +51,13 @@ from latency import (
 from random_model import config_only_model, draw_weights_at_load
 from throughput import workload
 
+DIRECT_MAX_TOKENS_ENV = "MOE_MODEL_DIRECT_MAX_TOKENS"
 draw_weights_at_load()  # at import: spawned tensor-parallel ranks import this script again
+if os.environ.get(DIRECT_MAX_TOKENS_ENV):
+    triton_moe.DIRECT_MAX_TOKENS = int(os.environ[DIRECT_MAX_TOKENS_ENV])
 
 TPOT_BATCHES = (1, 64)
+PROFILED_STEPS = 10
 
 
 class Floors:
@@ -122,6 +138,36 @@ def time_to_first_tokens(core, batch: int, prompt_len: int) -> float:
     return time.perf_counter() - start
 
 
+def decode_kernels(core, prompt_len: int, steps: int = PROFILED_STEPS) -> list[tuple[str, float, float]]:
+    """(kernel name, launches per step, GPU us per step) of batch-1 decode steps at a context of prompt_len,
+    most time first. Kernels launched with programmatic dependent launch start early and wait for the one before:
+    their spans overlap, so the sum exceeds the step's GPU time."""
+    seqs = run_to_first_token(core, [random_prompt(prompt_len)], max_tokens=core.max_model_len - prompt_len)
+    for _ in range(3):
+        core.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    for seq in seqs:
+        core.abort(seq)
+    kernels = defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CPU and event.self_device_time_total:
+            name = re.sub(r"\s+", " ", event.key)[:60]
+            kernels[name][0] += event.self_device_time_total / steps
+            kernels[name][1] += event.count / steps
+    return sorted(((name, count, us) for name, (us, count) in kernels.items()), key=lambda row: -row[2])
+
+
+def print_decode_kernels(rows: list[tuple[str, float, float]], num_layers: int) -> None:
+    print(f"\n== one batch-1 decode step on the GPU, per kernel (sum {sum(us for _, _, us in rows):.1f} us, "
+          f"{sum(count for _, count, _ in rows):.0f} launches; {num_layers} layers)")
+    print(f"{'kernel':<60} {'per step':>8} {'us/step':>9} {'us/layer':>9}")
+    for name, count, us in rows:
+        print(f"{name:<60} {count:8.1f} {us:9.1f} {us / num_layers:9.2f}")
+
+
 def moe_layer_rows(shape: str, bandwidth: float) -> list[tuple]:
     """The MoE layer alone (router, top-k and experts) on random experts of bench/moe_speed.py's `shape`, per
     token count."""
@@ -145,13 +191,19 @@ def main():
     ap.add_argument("--repeat", type=int, default=2, help="throughput runs (median)")
     ap.add_argument("--bf16-experts", action="store_true", help="an MXFP4 model's experts in bf16 instead")
     ap.add_argument("--skip-layer", action="store_true", help="skip the MoE layer alone")
+    ap.add_argument("--tpot-only", action="store_true",
+                    help="only TPOT and the batch-1 kernel breakdown (no TTFT, throughput or MoE layer alone)")
+    ap.add_argument("--direct-max-tokens", type=int, default=triton_moe.DIRECT_MAX_TOKENS,
+                    help="steps of up to this many tokens route directly (0: all sorted by expert, as before)")
     args = ap.parse_args()
+    os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
+    triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
     bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
     model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts)
     quantized = "quantization_config" in AutoConfig.from_pretrained(model_dir).to_dict()
     names = [f"{args.model}-tp{args.tensor_parallel_size}", args.model]
     names = [f"{name}-mxfp4" for name in names] if quantized else names
-    shape = None if args.skip_layer else next((s for s in names if s in SHAPES), None)
+    shape = None if args.skip_layer or args.tpot_only else next((s for s in names if s in SHAPES), None)
     layers = moe_layer_rows(shape, bandwidth) if shape else []  # before the engine takes the GPU's memory
     torch.cuda.empty_cache()
     start = time.perf_counter()
@@ -164,20 +216,22 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up request
     rows = []
     time_to_first_token(core, args.prompt_len, 3)  # warm-up
-    for batch in TPOT_BATCHES:
+    for batch in () if args.tpot_only else TPOT_BATCHES:
         ttft = statistics.median(time_to_first_tokens(core, batch, args.prompt_len) for _ in range(3))
         rows.append((f"TTFT batch {batch} x {args.prompt_len}", ttft, floors.prefill_s([args.prompt_len] * batch)))
     for batch in TPOT_BATCHES:
         tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
         contexts = np.full(batch, args.prompt_len + args.steps // 2)
         rows.append((f"TPOT batch {batch} ctx {args.prompt_len}", tpot, floors.decode_step_s(contexts)))
-    throughput, total = measure_throughput(llm, args.repeat)
-    prompts, params = workload()
-    floor_throughput = total / floors.workload_s(prompts, params)
+    kernels, num_layers = decode_kernels(core, args.prompt_len), len(core.runner.model.model.layers)
+    if not args.tpot_only:
+        throughput, total = measure_throughput(llm, args.repeat)
+        prompts, params = workload()
+        floor_throughput = total / floors.workload_s(prompts, params)
     llm.shutdown()
 
     print(f"\n== {args.model} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
-          f"{args.tensor_parallel_size}, on "
+          f"{args.tensor_parallel_size}, MoE routed directly up to {args.direct_max_tokens} tokens, on "
           f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} "
           "TFLOP/s (measured)")
     print(f"per GPU: dense weights read per step {floors.dense_bytes / 1e9:.2f} GB, one expert "
@@ -186,6 +240,9 @@ def main():
     print(f"{'metric':<28} {'measured':>12} {'floor':>12} {'floor/measured':>15}")
     for name, seconds, floor in rows:
         print(f"{name:<28} {seconds * 1e3:9.2f} ms {floor * 1e3:9.2f} ms {floor / seconds:14.0%}")
+    print_decode_kernels(kernels, num_layers)
+    if args.tpot_only:
+        return
     print(f"{f'throughput ({len(prompts)} requests)':<28} {throughput:8,.0f} t/s {floor_throughput:8,.0f} t/s "
           f"{throughput / floor_throughput:14.0%}   ({total:,} output tokens)")
     print(f"\n== the MoE layer alone (router, top-k and experts; {shape} experts) on one GPU, CUDA-graph replays")

@@ -4,12 +4,14 @@ the reference's loop over experts and against the floor, and a sweep of its tile
 Run on a CUDA machine from the repo root:
     PYTHONPATH=. python3 bench/moe_speed.py                      # check + time, Qwen3-30B-A3B and gpt-oss shapes
     PYTHONPATH=. python3 bench/moe_speed.py --sweep --shapes qwen3-30b-a3b   # best tiles per token count
+    PYTHONPATH=. python3 bench/moe_speed.py --shapes qwen3-30b-a3b --tokens 1,2,4 --direct-max-tokens 0  # sorted
 
 Routing is uniform at random (softmax of random logits), so a step of T tokens reaches about
 E (1 - (1 - k/E)^T) experts. The floor of a call is the larger of: the bytes it must move (the weights of the
 experts it reaches, its input and output) at the measured copy bandwidth, and its FLOPs (6 T k H I) at the
 measured bf16 matmul rate. Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), as the engine
-runs decode steps; "layer" adds the router GEMM and the top-k to the experts.
+runs decode steps; "layer" adds the router GEMM and the top-k to the experts. --direct-max-tokens sets
+kernels/triton_moe.py's DIRECT_MAX_TOKENS for the run (0: every token count sorted by expert).
 """
 import argparse
 import itertools
@@ -104,11 +106,9 @@ class Case:
         return fused_moe(self.x, self.ids, self.weights, *self.experts(), tiles=tiles, **self.kwargs)
 
     def layer(self):
-        from kernels.triton_linear import decode_linear
-        from kernels.triton_moe import fused_moe, select_experts
+        from kernels.triton_moe import routed_experts
 
-        ids, weights = select_experts(decode_linear(self.x, self.router, None), self.top_k, True)
-        return fused_moe(self.x, ids, weights, *self.experts(), **self.kwargs)
+        return routed_experts(self.x, self.router, None, self.top_k, True, *self.experts(), **self.kwargs)
 
     def reference(self):
         from kernels import reference
@@ -224,7 +224,12 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--sweep", action="store_true", help="search the tiles instead of checking and timing")
     ap.add_argument("--tokens", help=f"comma-separated token counts (default {TOKENS}; {SWEEP_TOKENS} with --sweep)")
+    ap.add_argument("--direct-max-tokens", type=int, help="kernels/triton_moe.py's DIRECT_MAX_TOKENS for this run")
     args = ap.parse_args()
+    if args.direct_max_tokens is not None:
+        from kernels import triton_moe
+
+        triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
     if not torch.cuda.is_available():
         sys.exit("bench/moe_speed.py needs a CUDA GPU (the kernels are tested on CPU by tests/kernels)")
     shapes = args.shapes.split(",")

@@ -21,6 +21,9 @@ max_tokens:
   same weights with the same token budget per step (the server is stopped first: one engine per GPU), and the
   ratio of the two. With --repeat N both run N times (the served prompts shifted each time, so that none hits
   the prefix cache) and the ratio is of the medians: one run of either varies by several percent on some hosts.
+  With `--data-parallel-sizes 1 2` the server is started once per size (HFENDPOINT_DATA_PARALLEL_SIZE: that
+  many engines behind the one handler, engine i on the GPUs from i x tensor-parallel size on; on CPU, that
+  many engine processes) and the served throughputs are compared with the first size's, instead of offline.
 
 The served copy of the model (in a temporary folder) links its weights and adds a word-level tokenizer: token i is
 the word "w<i>" and the chat template is the messages' content, so a prompt of N random token ids travels as N
@@ -273,17 +276,19 @@ def client_session() -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
 
 
-async def served_workload(server: Server, num_seqs: int, repeat: int) -> list[tuple[int, float]]:
-    """bench/throughput.py's workload through HTTP, all at once after a warm-up, `repeat` times; each time's
-    (output tokens, seconds). Repeat r adds r to every prompt id: the same shapes, and no prefix-cache hits on the
-    earlier repeats' prompts."""
+async def served_workload(server: Server, num_seqs: int, repeat: int, engines: int = 1) -> list[tuple[int, float]]:
+    """bench/throughput.py's workload through HTTP, all at once after a warm-up (one request per data-parallel
+    engine, sent together: the router gives each to an idle engine), `repeat` times; each time's (output tokens,
+    seconds). Repeat r adds r to every prompt id: the same shapes, and no prefix-cache hits on the earlier
+    repeats' prompts."""
     from throughput import workload
 
     prompts, params = workload(num_seqs)
     runs = []
     async with client_session() as session:
         await wait_for_health(session, server)
-        await stream_chat(session, server.url, chat_body([1, 2, 3], 8, 0.0), 8)
+        await asyncio.gather(*(stream_chat(session, server.url, chat_body([1, 2, 3], 8, 0.0), 8)
+                               for _ in range(engines)))
         for r in range(repeat):
             requests = [([(i + r) % MAX_PROMPT_ID for i in prompt], p.max_tokens, p.temperature)
                         for prompt, p in zip(prompts, params)]
@@ -291,6 +296,8 @@ async def served_workload(server: Server, num_seqs: int, repeat: int) -> list[tu
             runs.append((sum(result.output_tokens for result in results), seconds))
             print(f"served run {r + 1}: {runs[-1][0]:,} output tokens in {seconds:.2f} s = "
                   f"{runs[-1][0] / seconds:,.0f} tok/s", flush=True)
+        if engines > 1:
+            print(f"engines in /metrics: {await engines_in_metrics(session, server.url)}", flush=True)
     return runs
 
 
@@ -350,6 +357,53 @@ def stop_process(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def serve(model: Path, env: dict[str, str], args, engines: int = 1) -> list:
+    """Starts our front and handler on the model (engines: its data-parallel size), runs the latency levels (their
+    Levels) or the nanovllm workload (its runs' (output tokens, seconds)), and stops them."""
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
+        server = Server(served_model_dir(model, Path(log_dir)), env, Path(log_dir))
+        try:
+            server.wait_until_listening()
+            if args.workload == "latency":
+                print(f"{model.name}, prompts {args.prompt_len} tokens, {args.output_len} output tokens; times in ms "
+                      "(handler: TTFT in the handler's access lines)")
+                print(HEADER, flush=True)
+                return asyncio.run(latency_levels(server, args))
+            return asyncio.run(served_workload(server, args.num_seqs, args.repeat, engines))
+        finally:
+            server.stop()
+
+
+async def engines_in_metrics(session: aiohttp.ClientSession, url: str, wait_s: float = 3.0) -> int:
+    """How many data-parallel engines the front's /metrics reports gauges of (waiting up to wait_s for its first
+    stats probe)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        async with session.get(f"{url}/metrics") as response:
+            engines = set(re.findall(r'^\w+_engine_\w+\{engine="(\d+)"\}', await response.text(), re.MULTILINE))
+        if engines or time.monotonic() > deadline:
+            return len(engines)
+        await asyncio.sleep(0.25)
+
+
+def served_tok_s(runs: list[tuple[int, float]]) -> float:
+    return statistics.median(tokens / seconds for tokens, seconds in runs)
+
+
+def compare_data_parallel_sizes(model: Path, env: dict[str, str], args) -> None:
+    """The nanovllm workload served at each of args.data_parallel_sizes, one server after the other."""
+    throughputs = {}
+    for size in args.data_parallel_sizes:
+        print(f"data parallel size {size}:", flush=True)
+        throughputs[size] = served_tok_s(serve(model, {**env, "HFENDPOINT_DATA_PARALLEL_SIZE": str(size)}, args,
+                                               size))
+    first = args.data_parallel_sizes[0]
+    print(f"\nnanovllm workload served, {model.name}, max_num_batched_tokens {args.max_batched_tokens}, medians of "
+          f"{args.repeat}")
+    for size, tok_s in throughputs.items():
+        print(f"data parallel {size}: {tok_s:,.0f} tok/s, {tok_s / throughputs[first]:.2f}x data parallel {first}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="a config name under bench/models or a model directory")
@@ -366,6 +420,9 @@ def main() -> None:
                                                                "process); the ratio is of their medians")
     parser.add_argument("--offline-tok-s", type=float, nargs="+",
                         help="nanovllm: the offline numbers, instead of running it")
+    parser.add_argument("--data-parallel-sizes", type=int, nargs="+",
+                        help="nanovllm: serve once per HFENDPOINT_DATA_PARALLEL_SIZE and compare the throughputs with "
+                             "the first size's (instead of the offline run)")
     parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
@@ -375,6 +432,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.trace_stacks and not args.trace:
         parser.error("--trace-stacks samples into the trace: give --trace FILE too")
+    if args.data_parallel_sizes and (args.workload != "nanovllm" or args.offline_tok_s):
+        parser.error("--data-parallel-sizes compares served throughputs of the nanovllm workload: give --workload "
+                     "nanovllm, without --offline-tok-s")
     sys.path[:0] = [str(HERE), str(ROOT)]  # bench's modules and this checkout's packages
     model = model_path(args.model, args.device)
     env = {"HFENDPOINT_MAX_BATCHED_TOKENS": str(args.max_batched_tokens)}
@@ -384,23 +444,14 @@ def main() -> None:
         env.update(HANDLER_TRACE_OUT=str(Path(args.trace).resolve()), PYTHONPATH=str(HERE / "handler_trace"))
         if args.trace_stacks:
             env["HANDLER_TRACE_STACKS"] = "1"
-    with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
-        server = Server(served_model_dir(model, Path(log_dir)), env, Path(log_dir))
-        try:
-            server.wait_until_listening()
-            if args.workload == "latency":
-                print(f"{model.name}, prompts {args.prompt_len} tokens, {args.output_len} output tokens; times in ms "
-                      "(handler: TTFT in the handler's access lines)")
-                print(HEADER, flush=True)
-                levels = asyncio.run(latency_levels(server, args))
-            else:
-                runs = asyncio.run(served_workload(server, args.num_seqs, args.repeat))
-        finally:
-            server.stop()
+    if args.data_parallel_sizes:
+        compare_data_parallel_sizes(model, env, args)
+        return
     if args.workload == "latency":
+        levels = serve(model, env, args)
         print("\nsummary\n" + HEADER + "\n" + "\n".join(level_row(level) for level in levels))
         return
-    served = statistics.median(tokens / seconds for tokens, seconds in runs)
+    served = served_tok_s(serve(model, env, args))
     offline = statistics.median(args.offline_tok_s or
                                 offline_throughput(str(model), args.max_batched_tokens, args.num_seqs, args.repeat))
     print(f"\nnanovllm workload, {model.name}, max_num_batched_tokens {args.max_batched_tokens}, medians of "

@@ -40,6 +40,7 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "apply_token_bitmask",
     "select_experts",
     "fused_moe",
+    "routed_experts",
 )
 __all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "check_kv_scales",
            "qkv_paged_attention", "dequantize_fp8", "Mxfp4Weight"]
@@ -82,6 +83,7 @@ def _backend(device_type: str) -> SimpleNamespace:
         apply_token_bitmask=triton_sampling.apply_token_bitmask,
         select_experts=triton_moe.select_experts,
         fused_moe=triton_moe.fused_moe,
+        routed_experts=triton_moe.routed_experts,
         fused_decode=triton_attention.qkv_decode_attention,
         decodes_apart=triton_attention.decodes_apart,
     )
@@ -331,3 +333,15 @@ def fused_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up:
     may be MXFP4 (kernels/mxfp4.py): the Triton kernels dequantize its tiles in registers."""
     return _backend_of(hidden).fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
                                          activation, swiglu_alpha, swiglu_limit)
+
+
+def routed_experts(hidden: Tensor, router_weight: Tensor, router_bias: Tensor | None, top_k: int, renormalize: bool,
+                   w_gate_up: Tensor | Mxfp4Weight, w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None,
+                   b_down: Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
+                   swiglu_limit: float = 7.0) -> Tensor:
+    """A whole routed MLP: fused_moe of the experts select_experts picks from the router's logits
+    hidden router_weight^T + router_bias. On CUDA a step of a single token takes three launches (the router GEMM
+    with its top-k, then the two expert GEMMs, each reading only the token's k experts; kernels/triton_moe.py's
+    DIRECT_MAX_TOKENS); larger steps take the router's linear layer, select_experts and fused_moe."""
+    return _backend_of(hidden).routed_experts(hidden, router_weight, router_bias, top_k, renormalize, w_gate_up,
+                                              w_down, b_gate_up, b_down, activation, swiglu_alpha, swiglu_limit)

@@ -213,6 +213,16 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tupl
     return ids.to(torch.int32), weights
 
 
+def routed_experts(hidden: Tensor, router_weight: Tensor, router_bias: Tensor | None, top_k: int, renormalize: bool,
+                   w_gate_up: Tensor | Mxfp4Weight, w_down: Tensor | Mxfp4Weight, b_gate_up: Tensor | None = None,
+                   b_down: Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
+                   swiglu_limit: float = 7.0) -> Tensor:
+    """The router's linear layer, select_experts on its logits, then fused_moe."""
+    topk_ids, topk_weights = select_experts(linear(hidden, router_weight, router_bias), top_k, renormalize)
+    return fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, swiglu_alpha,
+                     swiglu_limit)
+
+
 def expert_activation(gate_up: Tensor, activation: str, swiglu_alpha: float, swiglu_limit: float) -> Tensor:
     """[..., 2I] (gate | up) -> [..., I]: silu(gate) * up, or gpt-oss's clamped SwiGLU: with gate clamped above
     at limit and up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)."""

@@ -1,4 +1,5 @@
-"""Triton mixture-of-experts: the router's top-k choice and the routed experts' MLPs, in four launches.
+"""Triton mixture-of-experts: the router's top-k choice and the routed experts' MLPs, in five launches after
+the router's GEMM (three launches in all for a step of DIRECT_MAX_TOKENS tokens or fewer, below).
 
 1. `select_experts`: per token, the top-k experts of the router logits and their softmax weights.
 2. `_align_kernel` (one program): the token-expert pairs ("rows": row r is token r // k's slot r % k) sorted
@@ -11,6 +12,12 @@
    biases and applies the activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU) before storing.
 4. `_down_kernel`: the same grouping for the down projection; its epilogue adds the bias, scales each row by
    its top-k weight and stores the row at its token-slot position. A sum over the k slots of each token ends it.
+
+A step of a single token (DIRECT_MAX_TOKENS, routed_experts) routes directly: `route` computes the router GEMM
+and the top-k in one launch (its last program to finish picks the experts), no sort runs (each of the token's k
+rows is a block of its own, its expert read from the top-k ids: the k experts are distinct, so each is read
+once), and the down GEMM's epilogue adds the k rows' weighted products itself (the last of a column tile's k
+programs to finish sums their float32 parts in slot order): router, gate/up and down, three launches.
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
 gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H]. Either may be MXFP4
@@ -28,6 +35,8 @@ import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.mxfp4 import GROUP_SIZE, Mxfp4Weight
+from kernels.split_arrivals import arrival_counters, is_last_arrival
+from kernels.triton_linear import decode_linear
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
 # Activations tl.dot_scaled multiplies with MXFP4 weights; float32 ones take the MXFP4 GEMMs' per-group path.
@@ -60,6 +69,15 @@ TILE_TABLE = (
 )
 
 
+# Steps of at most this many tokens are routed directly (route, fused_moe): the router GEMM and the top-k in one
+# launch, no sort by expert (each token's k rows are the GEMMs' blocks: one token's k experts are distinct, so no
+# expert is read twice), and the down GEMM sums each token's k rows itself. bench/moe_model.py's
+# --direct-max-tokens sets it, to time other bounds (0: the sorted path at batch 1 too).
+DIRECT_MAX_TOKENS = 1
+ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128  # route's tile: experts by columns of K
+ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
+
+
 def choose_tiles(num_tokens: int) -> MoeTiles:
     return next(tiles for bound, tiles in TILE_TABLE if num_tokens <= bound)
 
@@ -72,15 +90,10 @@ def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
 # ---- routing -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _select_experts_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, NUM_EXPERTS: tl.constexpr,
-                           EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
-                           RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    release_next(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, EXPERTS_POW2)
-    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS,
-                     other=-float("inf")).to(tl.float32)
+def _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """Token `token`'s k largest logits (float32 [EXPERTS_POW2], -inf past the experts) in descending order: their
+    experts into ids_ptr and their softmax probabilities (over the k when RENORMALIZE) into weights_ptr."""
     probs = tl.exp(logits - tl.max(logits, 0))
     slots = tl.arange(0, TOP_K_POW2)
     chosen = tl.zeros([TOP_K_POW2], dtype=tl.int32)
@@ -94,6 +107,19 @@ def _select_experts_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, NUM_EXPER
     total = tl.sum(chosen_probs, 0) if RENORMALIZE else tl.sum(probs, 0)
     tl.store(ids_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
     tl.store(weights_ptr + token * TOP_K + slots, chosen_probs / total, mask=slots < TOP_K)
+
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, NUM_EXPERTS: tl.constexpr,
+                           EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                           RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_POW2)
+    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS,
+                     other=-float("inf")).to(tl.float32)
+    _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K, TOP_K_POW2, RENORMALIZE)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +136,71 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
             logits, ids, weights, logits.stride(0), NUM_EXPERTS=num_experts,
             EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
             RENORMALIZE=renormalize, num_warps=1 if num_experts <= 128 else 2, **launch_options(logits))
+    return ids, weights
+
+
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, arrivals_ptr, ids_ptr, weights_ptr, num_tokens, stride_x, K,
+                  K_PER_SPLIT, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                  TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """The router GEMM and the top-k of a few tokens in one launch: each program sums BLOCK_E experts' logits
+    over one of SPLIT_K runs of K for every token into float32 parts; the last program to arrive adds the parts
+    in split order (and the bias), rounds each logit to x's dtype as the router's linear layer stores it, and
+    picks every token's experts."""
+    pid = tl.program_id(0)
+    split, experts = pid % SPLIT_K, (pid // SPLIT_K) * BLOCK_E + tl.arange(0, BLOCK_E)
+    expert_mask = experts < NUM_EXPERTS
+    ks = tl.arange(0, BLOCK_K)
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    for token in range(num_tokens):
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
+            k_mask = k0 + ks < K
+            x = tl.load(x_ptr + token * stride_x + k0 + ks, mask=k_mask, other=0.0)
+            w = tl.load(w_ptr + experts[:, None] * K + (k0 + ks)[None, :], mask=expert_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+        tl.store(part_ptr + (split * num_tokens + token) * NUM_EXPERTS + experts, acc, mask=expert_mask)
+    if is_last_arrival(arrivals_ptr, tl.num_programs(0)):
+        all_experts = tl.arange(0, EXPERTS_POW2)
+        mask = all_experts < NUM_EXPERTS
+        for token in range(num_tokens):
+            logits = tl.zeros([EXPERTS_POW2], dtype=tl.float32)
+            for part in range(SPLIT_K):
+                logits += tl.load(part_ptr + (part * num_tokens + token) * NUM_EXPERTS + all_experts, mask=mask,
+                                  other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                logits += tl.load(bias_ptr + all_experts, mask=mask, other=0.0).to(tl.float32)
+            logits = tl.where(mask, logits.to(x_ptr.dtype.element_ty).to(tl.float32), -float("inf"))
+            _store_top_k(logits, all_experts, ids_ptr, weights_ptr, token, TOP_K, TOP_K_POW2, RENORMALIZE)
+
+
+def route(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int,
+          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts(hidden router_weight^T + router_bias, top_k, renormalize) in one launch, for the few tokens of
+    a step routed directly (DIRECT_MAX_TOKENS): the top-k runs in the GEMM's last program, once per token."""
+    (num_tokens, hidden_size), num_experts = hidden.shape, router_weight.shape[0]
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be between 1 and the {num_experts} experts")
+    if router_weight.shape[1] != hidden_size or not router_weight.is_contiguous():
+        raise ValueError(f"route: the router weight must be a contiguous [experts, {hidden_size}], got "
+                         f"{tuple(router_weight.shape)}")
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=hidden.device)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=hidden.device)
+    expert_tiles = triton.cdiv(num_experts, ROUTE_BLOCK_E)
+    split_k = max(1, min(triton.cdiv(hidden_size, ROUTE_BLOCK_K), ROUTE_PROGRAMS // expert_tiles))
+    k_per_split = triton.cdiv(triton.cdiv(hidden_size, split_k), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
+    parts = torch.empty((split_k, num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
+    _route_kernel[(expert_tiles * split_k,)](
+        hidden, router_weight, router_bias if router_bias is not None else router_weight, parts,
+        arrival_counters(1, hidden.device), ids, weights, num_tokens, hidden.stride(0), hidden_size, k_per_split,
+        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+        TOP_K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, HAS_BIAS=router_bias is not None,
+        BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, SPLIT_K=split_k, num_warps=4, **launch_options(hidden))
     return ids, weights
 
 
@@ -180,8 +271,13 @@ def _column_tile(N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(sorted_ptr, block, num_rows, BLOCK_M: tl.constexpr):
-    """A block's slots, the (token, choice) rows they hold, and which hold one (padding holds num_rows)."""
+def _block_rows(sorted_ptr, block, num_rows, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """A block's slots, the (token, choice) rows they hold, and which hold one (padding holds num_rows). DIRECT:
+    block b is row b alone, in slot b (the first of BLOCK_M rows, the others masked off)."""
+    if DIRECT:
+        offsets = tl.arange(0, BLOCK_M)
+        slots = block + offsets * 0
+        return slots, slots, offsets == 0
     slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ptr + slots)
     return slots, rows, rows < num_rows
@@ -238,14 +334,15 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
                     INTER, K, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA,
                     LIMIT, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[slot, n] = act(x[token] . gate[n] + b, x[token] . up[n] + b) for a block's sorted slots. MXFP4: w_ptr
-    holds the packed blocks and scales_ptr their scales (kernels/mxfp4.py)."""
+    holds the packed blocks and scales_ptr their scales (kernels/mxfp4.py). DIRECT: a block is one row, in slot
+    row, and block_expert_ptr holds the top-k ids (_block_rows)."""
     block, cols, col_mask = _column_tile(INTER, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
     if expert < NUM_EXPERTS:
-        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M)
+        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M, DIRECT)
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]
         gate_ptrs = w_ptr + expert.to(tl.int64) * 2 * INTER * K + cols[:, None] * K + ks[None, :]
@@ -298,49 +395,73 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
 
 
 @triton.jit
-def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_rows,
-                 N, K, NUM_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations);
+def _down_rows(x_ptr, w_ptr, scales_ptr, bias_ptr, expert, slots, row_mask, cols, col_mask, N, K,
+               HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x[slot] . down[n] + b for the slots' rows and BLOCK_N columns of one expert: [BLOCK_M, BLOCK_N] float32;
     MXFP4 as in _gate_up_kernel."""
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        if MXFP4 and X_FORMAT != "":
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
+            acc = _mxfp4_scaled_dot(acc, x, w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K,
+                                    BLOCK_K, X_FORMAT)
+        elif MXFP4:
+            for group in tl.static_range(BLOCK_K // 32):
+                acc += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr,
+                                        expert.to(tl.int64) * N + cols, col_mask, k0 + group * 32, K,
+                                        DOT_PRECISION)
+        elif EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + ks < K)[None, :]
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
+        if not MXFP4:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, part_ptr, arrivals_ptr, sorted_ptr,
+                 block_expert_ptr, num_rows, N, K, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[row, n] = weight[row] * (x[slot] . down[n] + b) for a block's sorted slots (x: the activations).
+    DIRECT (blocks as in _gate_up_kernel's): each row's weighted product goes to its float32 part [N] and the
+    last of a token's k rows to arrive at a column tile adds the k parts in slot order into out[token]."""
     block, cols, col_mask = _column_tile(N, BLOCK_N)
     wait_for_previous(USE_PDL)
     expert = tl.load(block_expert_ptr + block)
     if expert < NUM_EXPERTS:
-        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
-        w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
-        for k0 in range(0, K, BLOCK_K):
-            if MXFP4 and X_FORMAT != "":
-                x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
-                acc = _mxfp4_scaled_dot(acc, x, w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K,
-                                        BLOCK_K, X_FORMAT)
-            elif MXFP4:
-                for group in tl.static_range(BLOCK_K // 32):
-                    acc += _mxfp4_group_dot(x_rows, row_mask[:, None], w_ptr, scales_ptr,
-                                            expert.to(tl.int64) * N + cols, col_mask, k0 + group * 32, K,
-                                            DOT_PRECISION)
-            elif EVEN_K:
-                x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-                w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
-            else:
-                k_mask = (k0 + ks < K)[None, :]
-                x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask, other=0.0)
-                w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask, other=0.0)
-            if not MXFP4:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M, DIRECT)
+        acc = _down_rows(x_ptr, w_ptr, scales_ptr, bias_ptr, expert, slots, row_mask, cols, col_mask, N, K, HAS_BIAS,
+                         MXFP4, X_FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         release_next(USE_PDL)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        if DIRECT:
+            tl.store(part_ptr + block.to(tl.int64) * N + cols, tl.sum(tl.where(row_mask[:, None], acc, 0.0), 0),
+                     mask=col_mask)
+            token, col_tiles = block // TOP_K, tl.cdiv(N, BLOCK_N)
+            if is_last_arrival(arrivals_ptr + token * col_tiles + tl.program_id(0) % col_tiles, TOP_K):
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for slot in range(TOP_K):
+                    total += tl.load(part_ptr + (token * TOP_K + slot).to(tl.int64) * N + cols, mask=col_mask,
+                                     other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + token.to(tl.int64) * N + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _gemm_options(tiles: GemmTiles, k: int, dtype: torch.dtype, weight: torch.Tensor | Mxfp4Weight) -> dict:
@@ -362,7 +483,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
               swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, tiles: MoeTiles | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for each token t: [T, H] in hidden's dtype.
     Either weight may be MXFP4 (read packed, dequantized in registers). tiles: the kernels' tiles
-    (choose_tiles(T) by default)."""
+    (choose_tiles(T) by default). Up to DIRECT_MAX_TOKENS tokens skip the sort: each row is its own block."""
     check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -371,49 +492,78 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not num_tokens:
         return torch.zeros_like(hidden)
     tiles = tiles or choose_tiles(num_tokens)
-    sorted_rows, block_experts = align_rows(topk_ids, w_gate_up.shape[0], tiles.block_m)
+    if num_tokens <= DIRECT_MAX_TOKENS:
+        sorted_rows, block_experts = None, topk_ids.reshape(-1).to(torch.int32).contiguous()
+    else:
+        sorted_rows, block_experts = align_rows(topk_ids, w_gate_up.shape[0], tiles.block_m)
     activations = expert_activations(hidden, sorted_rows, block_experts, w_gate_up, b_gate_up, top_k, activation,
                                      swiglu_alpha, swiglu_limit, tiles.block_m, tiles.gate_up)
-    per_slot = weighted_expert_outputs(activations, sorted_rows, block_experts, w_down, b_down, topk_weights,
-                                       tiles.block_m, tiles.down)
-    if top_k == 1:
-        return per_slot
-    return per_slot.view(num_tokens, top_k, hidden_size).sum(1)
+    out = weighted_expert_outputs(activations, sorted_rows, block_experts, w_down, b_down, topk_weights,
+                                  tiles.block_m, tiles.down)
+    if sorted_rows is None or top_k == 1:
+        return out
+    return out.view(num_tokens, top_k, hidden_size).sum(1)
 
 
-def expert_activations(hidden: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+def routed_experts(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int,
+                   renormalize: bool, w_gate_up: torch.Tensor | Mxfp4Weight, w_down: torch.Tensor | Mxfp4Weight,
+                   b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, activation: str = "silu",
+                   swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """A routed MLP from the hidden states: the router and its top-k (route() for up to DIRECT_MAX_TOKENS
+    tokens, else the router's linear layer and select_experts), then fused_moe."""
+    if 0 < hidden.shape[0] <= DIRECT_MAX_TOKENS:
+        topk_ids, topk_weights = route(hidden, router_weight, router_bias, top_k, renormalize)
+    else:
+        topk_ids, topk_weights = select_experts(decode_linear(hidden, router_weight, router_bias), top_k, renormalize)
+    return fused_moe(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, swiglu_alpha,
+                     swiglu_limit)
+
+
+def expert_activations(hidden: torch.Tensor, sorted_rows: torch.Tensor | None, block_experts: torch.Tensor,
                        w_gate_up: torch.Tensor | Mxfp4Weight, b_gate_up: torch.Tensor | None, top_k: int,
                        activation: str, swiglu_alpha: float, swiglu_limit: float, block_m: int,
                        tiles: GemmTiles) -> torch.Tensor:
     """The gate/up GEMM with the activation: [num_blocks * block_m, I], row s for sorted slot s (padding
-    slots unwritten)."""
+    slots unwritten). Without sorted_rows (direct routing), block_experts holds the top-k ids [T * k] and the
+    result is [T * k, I], row r for row r."""
     (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w_gate_up.shape
     inter, num_blocks = two_inter // 2, block_experts.numel()
-    activations = torch.empty((num_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
+    slots = num_blocks if sorted_rows is None else num_blocks * block_m
+    activations = torch.empty((slots, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.block_n),)](
         x_ptr=hidden, bias_ptr=b_gate_up if b_gate_up is not None else hidden, out_ptr=activations,
-        sorted_ptr=sorted_rows, block_expert_ptr=block_experts, num_rows=num_tokens * top_k, stride_x=hidden.stride(0),
-        INTER=inter, K=hidden_size, TOP_K=top_k, NUM_EXPERTS=num_experts, CLAMPED_SWIGLU=activation == "clamped_swiglu",
-        ALPHA=swiglu_alpha, LIMIT=swiglu_limit, HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m,
+        sorted_ptr=block_experts if sorted_rows is None else sorted_rows, block_expert_ptr=block_experts,
+        num_rows=num_tokens * top_k, stride_x=hidden.stride(0), INTER=inter, K=hidden_size, TOP_K=top_k,
+        NUM_EXPERTS=num_experts, CLAMPED_SWIGLU=activation == "clamped_swiglu", ALPHA=swiglu_alpha,
+        LIMIT=swiglu_limit, HAS_BIAS=b_gate_up is not None, BLOCK_M=block_m, DIRECT=sorted_rows is None,
         **_gemm_options(tiles, hidden_size, hidden.dtype, w_gate_up), **launch_options(hidden))
     return activations
 
 
-def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor,
+def weighted_expert_outputs(activations: torch.Tensor, sorted_rows: torch.Tensor | None, block_experts: torch.Tensor,
                             w_down: torch.Tensor | Mxfp4Weight, b_down: torch.Tensor | None, topk_weights: torch.Tensor,
                             block_m: int, tiles: GemmTiles) -> torch.Tensor:
-    """The down GEMM with bias and top-k weight: [T * k, H], row r for token r // k's slot r % k."""
-    (num_experts, hidden_size, inter), num_rows = w_down.shape, topk_weights.numel()
+    """The down GEMM with bias and top-k weight: [T * k, H], row r for token r // k's slot r % k; without
+    sorted_rows (direct routing: expert_activations'), each token's k rows already summed: [T, H]."""
+    (num_experts, hidden_size, inter), (num_tokens, top_k) = w_down.shape, topk_weights.shape
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
-    per_slot = torch.empty((num_rows, hidden_size), dtype=activations.dtype, device=activations.device)
-    _down_kernel[(block_experts.numel() * triton.cdiv(hidden_size, tiles.block_n),)](
+    direct = sorted_rows is None
+    out = torch.empty((num_tokens if direct else num_tokens * top_k, hidden_size), dtype=activations.dtype,
+                      device=activations.device)
+    col_tiles = triton.cdiv(hidden_size, tiles.block_n)
+    parts, arrivals = out, out
+    if direct:
+        parts = torch.empty((num_tokens * top_k, hidden_size), dtype=torch.float32, device=activations.device)
+        arrivals = arrival_counters(num_tokens * col_tiles, activations.device)
+    _down_kernel[(block_experts.numel() * col_tiles,)](
         x_ptr=activations, bias_ptr=b_down if b_down is not None else activations, weights_ptr=weights,
-        out_ptr=per_slot, sorted_ptr=sorted_rows, block_expert_ptr=block_experts, num_rows=num_rows, N=hidden_size,
-        K=inter, NUM_EXPERTS=num_experts, HAS_BIAS=b_down is not None, BLOCK_M=block_m,
+        out_ptr=out, part_ptr=parts, arrivals_ptr=arrivals, sorted_ptr=block_experts if direct else sorted_rows,
+        block_expert_ptr=block_experts, num_rows=num_tokens * top_k, N=hidden_size, K=inter,
+        NUM_EXPERTS=num_experts, TOP_K=top_k, HAS_BIAS=b_down is not None, BLOCK_M=block_m, DIRECT=direct,
         **_gemm_options(tiles, inter, activations.dtype, w_down), **launch_options(activations))
-    return per_slot
+    return out
 
 
 def check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation) -> None:

@@ -10,7 +10,7 @@ names (models/loader.py):
   attention scale from query_pre_attn_scalar, embeddings times sqrt(hidden), tanh-GELU, local and global
   layers with rope settings of their own, tied embeddings; final logit soft-capping where a config sets it.
 - Qwen3-MoE: Qwen3 with a routed MLP (models/moe.py) on the layers is_moe_layer names, dense elsewhere.
-- gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts dequantized at load),
+- gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts kept packed),
   attention sinks, alternating sliding and full layers, biases on q/k/v/o, YaRN rope.
 - FP8 checkpoints of the dense families (models/fp8.py): the projections hold e4m3 weights and their scales.
 

@@ -3,7 +3,8 @@
 A router (a linear layer over the hidden state, replicated on every rank; biased for gpt-oss) scores the
 experts; each token goes to its top-k, weighted by the softmax of the scores (over the k chosen when the config
 renormalises: Qwen3-MoE's norm_topk_prob, and always for gpt-oss, whose softmax over its top-k logits is the
-same thing). The experts run in kernels.fused_moe: SiLU-and-mul for Qwen3-MoE, gpt-oss's clamped SwiGLU.
+same thing). The router, its top-k and the experts run in kernels.routed_experts: SiLU-and-mul for Qwen3-MoE,
+gpt-oss's clamped SwiGLU.
 
 Tensor parallelism splits every expert's intermediate features across the ranks, as the dense MLP does: a
 rank holds its slice of each expert's gate, up and down projections, computes its partial sum of every
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels import Mxfp4Weight, fused_moe, linear, select_experts
+from kernels import Mxfp4Weight, routed_experts
 from kernels.mxfp4 import GROUP_SIZE
 from models.parallel_layers import ParallelModule, check_shape, copy_part, divide, read
 
@@ -121,15 +122,13 @@ def moe_checkpoint_target(name: str) -> tuple[str, object] | None:
 
 
 class Router(nn.Module):
-    """Expert scores [T, E] of the hidden states; every rank holds the whole weight."""
+    """The weight [E, H] (and bias) of the experts' scores; every rank holds the whole of it. MoeMLP hands it to
+    kernels.routed_experts, which computes the scores with the top-k."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 class Experts(ParallelModule):
@@ -258,11 +257,11 @@ class MoeMLP(nn.Module):
         self.experts = Experts(spec, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        spec, experts = self.spec, self.experts
-        topk_ids, topk_weights = select_experts(self.router(x), spec.top_k, spec.renormalize)
+        spec, experts, router = self.spec, self.experts, self.router
         down_bias = experts.down_proj_bias if experts.tp_rank == 0 else None
-        y = fused_moe(x, topk_ids, topk_weights, experts.gate_up_weight, experts.down_weight,
-                      experts.gate_up_proj_bias, down_bias, spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
+        y = routed_experts(x, router.weight, router.bias, spec.top_k, spec.renormalize, experts.gate_up_weight,
+                           experts.down_weight, experts.gate_up_proj_bias, down_bias, spec.activation,
+                           spec.swiglu_alpha, spec.swiglu_limit)
         if experts.tp_size > 1:
             dist.all_reduce(y)
         return y

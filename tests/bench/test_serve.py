@@ -67,6 +67,21 @@ def test_the_nanovllm_workload_is_repeated_served_and_offline(tmp_path):
                      result.stdout)
 
 
+@pytest.mark.slow  # our front, a handler process and a spawned engine
+def test_the_nanovllm_workload_is_served_at_each_data_parallel_size(tmp_path):
+    model = tiny_model(tmp_path / "tiny")
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
+               "--workload", "nanovllm", "--num-seqs", "3", "--data-parallel-sizes", "1", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    served = [int(tokens.replace(",", "")) for tokens in re.findall(r"served run 1: ([\d,]+) output tokens",
+                                                                    result.stdout)]
+    assert len(served) == 2 and served[0] == served[1]  # the whole workload at either size
+    assert "engines in /metrics: 2" in result.stdout
+    assert re.search(r"data parallel 1: [\d,]+ tok/s, 1\.00x data parallel 1\n"
+                     r"data parallel 2: [\d,]+ tok/s, \d+\.\d\dx data parallel 1", result.stdout)
+
+
 @pytest.mark.slow  # our front and a handler process
 def test_the_handler_trace_follows_every_request_through_its_stages(tmp_path):
     model, trace = tiny_model(tmp_path / "tiny"), tmp_path / "trace.json"

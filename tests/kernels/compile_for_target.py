@@ -202,16 +202,21 @@ def launch_without_cache(dtype: torch.dtype) -> None:
 
 def launch_moe(dtype: torch.dtype) -> None:
     """A mixture of experts' routing, sort and grouped GEMMs at decode and prefill sizes: SiLU (Qwen3-MoE) and
-    gpt-oss's clamped SwiGLU with biases."""
+    gpt-oss's clamped SwiGLU with biases; and a single token's direct routing (route, then the GEMMs without the
+    sort), with and without biases."""
     experts, hidden, inter, top_k = 8, 256, 128, 2
     w_gate_up, w_down = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter,
                                                                                           dtype=dtype)
     for tokens in (4, 128, 1024):
         ids, weights = triton_moe.select_experts(torch.empty(tokens, experts, dtype=dtype), top_k, True)
         triton_moe.fused_moe(torch.empty(tokens, hidden, dtype=dtype), ids, weights, w_gate_up, w_down)
-    triton_moe.fused_moe(torch.empty(4, hidden, dtype=dtype), ids[:4], weights[:4], w_gate_up, w_down,
-                         torch.empty(experts, 2 * inter, dtype=dtype), torch.empty(experts, hidden, dtype=dtype),
+    biases = (torch.empty(experts, 2 * inter, dtype=dtype), torch.empty(experts, hidden, dtype=dtype))
+    triton_moe.fused_moe(torch.empty(4, hidden, dtype=dtype), ids[:4], weights[:4], w_gate_up, w_down, *biases,
                          "clamped_swiglu")
+    router = torch.empty(experts, hidden, dtype=dtype)
+    triton_moe.routed_experts(torch.empty(1, hidden, dtype=dtype), router, None, top_k, True, w_gate_up, w_down)
+    triton_moe.routed_experts(torch.empty(1, hidden, dtype=dtype), router, torch.empty(experts, dtype=dtype), top_k,
+                              True, w_gate_up, w_down, *biases, "clamped_swiglu")
 
 
 def launch_fp8_gemms(dtype: torch.dtype, scaled_mm: bool) -> None:

@@ -22,6 +22,7 @@ EVERYWHERE = ("kernels.triton_norm._rms_norm_kernel", "kernels.triton_linear._li
               "kernels.triton_sampling._token_bitmask_kernel", "kernels.triton_prologue._prologue_kernel",
               "kernels.triton_attention._prefill_kernel", "kernels.triton_attention._decode_kernel",
               "kernels.triton_moe._select_experts_kernel", "kernels.triton_moe._align_kernel",
+              "kernels.triton_moe._route_kernel",
               "kernels.triton_moe._gate_up_kernel", "kernels.triton_moe._down_kernel")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, TOLERANCE, assert_close, cuda_only
 
-from kernels import reference
+from kernels import reference, triton_moe
 from kernels.mxfp4 import Mxfp4Weight
 from kernels.triton_moe import (
     GemmTiles,
@@ -15,6 +15,8 @@ from kernels.triton_moe import (
     align_rows,
     fused_moe,
     max_blocks,
+    route,
+    routed_experts,
     select_experts,
 )
 
@@ -53,6 +55,23 @@ def test_select_experts_matches_reference(num_experts, top_k, renormalize):
 def test_select_experts_rejects_top_k_above_experts():
     with pytest.raises(ValueError, match="top_k=5"):
         select_experts(torch.randn(2, 4, device=DEVICE), 5, True)
+
+
+@pytest.mark.parametrize("num_tokens,hidden,num_experts,top_k,bias", [
+    (1, 64, 8, 2, False),  # one K split, one tile of experts
+    (3, 96, 6, 6, True),  # K not a multiple of the split's BLOCK_K; every expert chosen
+    (2, 320, 20, 4, True),  # K in three splits, experts in two tiles (one partial)
+])
+def test_route_matches_linear_and_select_experts(num_tokens, hidden, num_experts, top_k, bias):
+    """The router GEMM with the top-k in its last program: the ids of select_experts on the router's linear
+    layer (its logits rounded to x's dtype as that layer stores them), and their weights."""
+    x = torch.randn(num_tokens, hidden, device=DEVICE)
+    w = torch.randn(num_experts, hidden, device=DEVICE)
+    b = torch.randn(num_experts, device=DEVICE) if bias else None
+    ids, weights = route(x, w, b, top_k, renormalize=bias)
+    expected_ids, expected_weights = reference.select_experts(reference.linear(x, w, b), top_k, renormalize=bias)
+    assert torch.equal(ids, expected_ids)
+    assert_close(weights, expected_weights, torch.float32)
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (9, 6, 2, 16), (40, 8, 8, 16),
@@ -110,6 +129,35 @@ def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top
     expected = reference.fused_moe(x.float(), ids, weights, *(w if w is None else w.float() for w in experts),
                                    **kwargs)
     assert_moe_close(fused_moe(x, ids, weights, *experts, tiles=tiles, **kwargs), expected, dtype)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("num_tokens,top_k,dtype,bias,activation", [
+    (1, 8, torch.float32, False, "silu"),
+    (3, 2, torch.float16, True, "clamped_swiglu"),  # tokens sharing experts, each still read per row
+])
+def test_direct_and_sorted_routing_agree_with_reference(num_tokens, top_k, dtype, bias, activation, direct,
+                                                        monkeypatch):
+    """A step routed directly (no sort; the down GEMM sums each token's k rows) and the same step sorted by
+    expert both give the reference's output."""
+    monkeypatch.setattr(triton_moe, "DIRECT_MAX_TOKENS", num_tokens if direct else 0)
+    ids, weights = skewed_routing(num_tokens, 8, top_k, empty=0)
+    x = torch.randn(num_tokens, 48, device=DEVICE).to(dtype)
+    experts = expert_weights(8, 48, 32, dtype, bias)
+    kwargs = dict(activation=activation, swiglu_alpha=1.702, swiglu_limit=1.5)
+    expected = reference.fused_moe(x.float(), ids, weights, *(w if w is None else w.float() for w in experts),
+                                   **kwargs)
+    assert_moe_close(fused_moe(x, ids, weights, *experts, tiles=SMALL_TILES, **kwargs), expected, dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_routed_experts_matches_reference(num_tokens):
+    """The whole routed MLP from the router weights: routed directly at one token, sorted at five."""
+    x = torch.randn(num_tokens, 64, device=DEVICE)
+    router = torch.randn(8, 64, device=DEVICE)
+    experts = expert_weights(8, 64, 32, torch.float32, bias=True)
+    args = (x, router, None, 2, True, *experts)
+    assert_close(routed_experts(*args), reference.routed_experts(*args), torch.float32)
 
 
 def assert_moe_close(actual, expected, dtype):

@@ -90,13 +90,14 @@ def test_moe_layer_matches_transformers(checkpoints, name):
         torch.testing.assert_close(layer.mlp(x), transformers_block(reference)(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 9])  # routed directly, and sorted by expert
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_moe_layer_through_triton_kernels_matches_reference(checkpoints, name, monkeypatch):
+def test_moe_layer_through_triton_kernels_matches_reference(checkpoints, name, num_tokens, monkeypatch):
     """The fused Triton path (on a GPU, or interpreted on a CPU) equals the CPU reference path."""
     pytest.importorskip("triton")
     config, _, path = checkpoints(name)
     layer = load_moe_layer(config, path)
-    x = torch.randn(9, config.hidden_size)
+    x = torch.randn(num_tokens, config.hidden_size)
     with torch.no_grad():
         expected = layer.mlp(x)
     torch.testing.assert_close(through_triton_kernels(layer, x, monkeypatch), expected, atol=1e-4, rtol=1e-4)
