@@ -19,7 +19,8 @@ So speculation backs off by itself, per step:
 - otherwise a step drafts when it is expected to make tokens faster: per batch-size class (batches of
   2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not overlapped,
   a row per draft token) and without, and a step drafts when (requests + their draft gains) / drafting
-  seconds beats requests / plain seconds. Timing the two kinds of step apart, rather than tokens per second
+  seconds beats requests / plain seconds by a margin (each switch between the two costs a step its overlap,
+  which neither measurement sees). Timing the two kinds of step apart, rather than tokens per second
   of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from condemning
   drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
   step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
@@ -36,6 +37,7 @@ ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance a
 MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below which a step does not draft
 PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
 PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
+SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be: a switch of mode costs a step its overlap
 NO_SPECULATION = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}  # the stats of an engine that never drafts
 DRAFT_GAIN = operator.attrgetter("draft_gain")
 
@@ -57,7 +59,7 @@ class StepPeriods:
                 return True
             if False not in self.seconds:
                 return False
-            if (num_running + gain) * self.seconds[False] > num_running * self.seconds[True]:
+            if (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]:
                 return True
         self.plain_steps += 1
         if self.plain_steps < self.probe_after:

@@ -331,7 +331,8 @@ def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
     periods.record(True, 3.0)
     assert periods.drafting_pays(4, 8.0) is False  # then a plain one
     periods.record(False, 1.0)
-    assert periods.drafting_pays(4, 8.5) is True, "12.5 tokens in 3 s beat 4 tokens a second"
+    assert periods.drafting_pays(4, 10.0) is True, "14 tokens in 3 s beat 4 tokens a second by the margin"
+    assert periods.drafting_pays(4, 8.5) is False, "12.5 tokens in 3 s do not beat it by the margin"
     choices = []
     for _ in range(2000):
         choices.append(periods.drafting_pays(4, 7.5))  # 11.5 tokens in 3 s lose
@@ -343,7 +344,7 @@ def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
     periods.drafted(gained=True)
     assert [periods.drafting_pays(4, 0.0) for _ in range(16)].count(True) == 1, "a probe that gained: soon again"
-    periods.record(True, 2.0)
+    periods.record(True, 1.0)
     assert periods.drafting_pays(4, 7.5) is True, "once drafting steps get cheaper, it runs"
 
 
