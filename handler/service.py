@@ -20,10 +20,10 @@ import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from daemon_protocol import RequestError
+from daemon_protocol import ReplyError, RequestError
 from engine import Worker
 from engine.embedding import check_inputs
-from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
+from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
@@ -33,6 +33,7 @@ from handler.memory import resident_bytes
 from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
+from schema import type_name
 
 ENCODER_THREADS = 4  # requests encoded at once
 ENCODER_START_TIMEOUT_S = 60.0
@@ -40,12 +41,12 @@ FALLBACK_CHARS_PER_TOKEN = 64  # for tokenizers that give no bound (handler/chat
 TRUNCATION_MARGIN = 2  # a truncated text's end tokenized: this many times what its kept tokens can span
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(ReplyError):
     """The engine takes no more requests (a tensor-parallel rank died, or it shut down): 503, and the
     handler exits for the daemon to restart it."""
 
-    status = 503
-    code = "engine_unavailable"
+    def __init__(self, message: str):
+        super().__init__(message, 503, code="engine_unavailable")
 
 
 class Service:
@@ -266,7 +267,7 @@ class Service:
             yield
         except RuntimeError as exc:
             reason = self.worker.unavailable
-            if reason is None or isinstance(exc, EngineUnavailable):
+            if reason is None:
                 raise
             raise EngineUnavailable(f"the engine cannot serve requests: {reason}") from exc
 

@@ -95,7 +95,8 @@ def test_missing_name_and_invalid_data_get_error_replies_others_unaffected(handl
     assert by_id[1] == list(range(50))
     assert by_id[2] == ["request has no handler name: 'name' must be a string, got None"]
     assert by_id[3] == ["request has no handler name: 'name' must be a string, got 17"]
-    assert by_id[4] == by_id[5] == ["'messages' must be a non-empty list"]
+    assert by_id[4] == ["messages must be a non-empty list of messages, got 'not a list'"]
+    assert by_id[5] == ["request data must be a map, got nil"]
     assert by_id[6] == ["RuntimeError: failing as asked: boom"]
     assert "RuntimeError: failing as asked: boom" in handler.stderr()  # unexpected errors log a traceback
     assert "Traceback" in handler.stderr()
