@@ -104,7 +104,8 @@ def decode_request(data, kind: type, limits: RequestLimits):
     return decode(data, kind)
 
 
-def sampling_params(request: Sampling, model: ChatModel, settings: dict, defaults: dict | None = None) -> SamplingParams:
+def sampling_params(request: Sampling, model: ChatModel, settings: dict,
+                    defaults: dict | None = None) -> SamplingParams:
     """SamplingParams from the request's sampling fields (SAMPLING_FIELDS, over the model's defaults) and the
     settings the request's other fields make (max_tokens, logprobs, ...). The schema has checked every value."""
     defaults = model.sampling_defaults if defaults is None else defaults

@@ -169,7 +169,8 @@ class ChatCompletionRequest(Sampling, kw_only=True):
                            f'one of {", ".join(TOOL_CHOICE_MODES)} or '
                            '{"type": "function", "function": {"name": ...}}') | None = None
     parallel_tool_calls: Boolean = True
-    response_format: described(ResponseFormat, "a map whose type is one of " + ", ".join(RESPONSE_FORMATS)) | None = None
+    response_format: described(ResponseFormat,
+                               f"a map whose type is one of {', '.join(RESPONSE_FORMATS)}") | None = None
     add_generation_prompt: Boolean = True
     chat_template: String | None = None
     chat_template_kwargs: Map | None = None

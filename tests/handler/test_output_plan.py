@@ -150,7 +150,8 @@ def test_logprobs_n_and_logit_bias_reach_the_sampling_params(model):
 
 BAD = [
     ({"tools": []}, "tools must be a non-empty list"),
-    ({"tools": [{"type": "retrieval"}]}, r'tools\[0\].type must be "function" \(the only tools supported\), got .retrieval.'),
+    ({"tools": [{"type": "retrieval"}]},
+     r'tools\[0\].type must be "function" \(the only tools supported\), got .retrieval.'),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, r"tools\[0\].function.name must be"),
     ({"tools": [CLOCK, CLOCK]}, r"tools\[1\].function.name: 'clock' is defined twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "parameters must be a JSON"),
@@ -161,9 +162,11 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls must be"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "give one of them"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type must be one of text, json_object, json_schema, got .yaml."),
+    ({"response_format": {"type": "yaml"}},
+     "response_format.type must be one of text, json_object, json_schema, got .yaml."),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema must be a map"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema is required"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, "strict must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
      "response_format: xgrammar cannot compile this JSON schema: .*strin"),
