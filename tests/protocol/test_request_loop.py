@@ -335,7 +335,7 @@ def test_unix_connect_transport_by_environment(tmp_path):
 
 
 def test_the_package_never_imports_torch():
-    code = ("import sys, daemon_protocol, front.server, front.handler_connection; "
+    code = ("import sys, daemon_protocol, schema, front.server, front.handler_connection; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], env=child_env(), check=True, timeout=60)
 

@@ -1,0 +1,91 @@
+"""Only a RequestError is the client's fault: a ValueError raised inside the engine is our bug, answered with a 500
+and its traceback in the log, and the handler goes on serving the next request."""
+import asyncio
+import logging
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+
+from daemon_protocol import Registry
+from daemon_protocol.session import Session
+from daemon_protocol.writer import ReplyWriter
+from handler.service import Service
+
+
+class BuggyEngine:
+    """An engine whose first submit raises ValueError (a bug of ours); later requests finish with one token."""
+
+    kind, eos_token_ids, max_model_len, max_embedding_tokens, reads_images = "decoder", (), 2048, 2048, False
+
+    def __init__(self, model_dir: str):
+        self.model_dir, self.vocab_size, self.submits = model_dir, 49152, 0
+
+    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None,
+               images=()):
+        self.submits += 1
+        if self.submits == 1:
+            raise ValueError("the engine has a bug")
+        outputs = queue or asyncio.Queue()
+        outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
+                                           error=None, logprobs=None, prompt_logprobs=None))
+        return outputs
+
+    def stats(self) -> dict:
+        return {"running": 0, "waiting": 0, "num_free_blocks": 1, "num_total_blocks": 1,
+                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
+
+    def abort(self, request_id):
+        pass
+
+
+class CollectingTransport(asyncio.WriteTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def write(self, data) -> None:
+        self.data += data
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+
+def replies_of(data: bytes) -> list:
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    return list(unpacker)
+
+
+async def serve_in_turn(service: Service, requests: list[dict]) -> list:
+    """Each request through the protocol's request loop after the previous one has ended; every reply."""
+    loop = asyncio.get_running_loop()
+    transport = CollectingTransport()
+    registry = Registry()
+    registry.add("chat_completions", service.chat_completions)
+    session = Session(registry, ReplyWriter(loop), loop)
+    session.connection_made(transport)
+    for request in requests:
+        session.data_received(msgpack.packb(request))
+        deadline = time.monotonic() + 60
+        while not any(reply["id"] == request["id"] and ("error" in reply or reply["data"].get("finish_reason"))
+                      for reply in replies_of(bytes(transport.data))):
+            assert time.monotonic() < deadline, f"request {request['id']} got no last reply"
+            await asyncio.sleep(0.01)
+    await session.shutdown()
+    return replies_of(bytes(transport.data))
+
+
+@pytest.mark.slow  # the Service starts its grammar compiler processes
+def test_a_value_error_inside_the_engine_is_a_500_and_the_next_request_is_served(smollm2_path, smollm2_tokenizer,
+                                                                                 caplog):
+    service = Service(BuggyEngine(smollm2_path), smollm2_tokenizer, "smollm2")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with caplog.at_level(logging.ERROR, logger="daemon_protocol"):
+        replies = asyncio.run(serve_in_turn(service, [{"id": 1, "name": "chat_completions", "data": chat},
+                                                      {"id": 2, "name": "chat_completions", "data": chat}]))
+    assert replies[0] == {"id": 1, "error": "ValueError: the engine has a bug", "status": 500}
+    assert [reply["data"]["finish_reason"] for reply in replies[1:]] == ["length"]
+    assert all(reply["id"] == 2 for reply in replies[1:])
+    assert "Traceback" in caplog.text and "ValueError: the engine has a bug" in caplog.text
