@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from daemon_protocol import ReplyError, RequestError
-from engine import Worker
+from engine import PromptRejected, Worker
 from engine.embedding import check_inputs
 from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults
 from handler.choices import ChatReplies
@@ -101,7 +101,7 @@ class Service:
     async def chat_completions(self, data):
         """Streams reply chunks (docs/chat-extensions.md); the last one has a finish_reason and usage."""
         request_id = f"chat-{next(self._request_ids)}"
-        with logged_request(request_id, "chat_completions") as log, self.engine_errors():
+        with logged_request(request_id, "chat_completions") as log, self.engine_errors("messages"):
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
             sources = await self.images.gather(data) if self.images is not None else ()
@@ -116,7 +116,7 @@ class Service:
         """Legacy completions (docs/completions.md): raw prompts, echo, prompt logprobs; streams reply chunks, the
         last one with finish_reason and usage."""
         request_id = f"cmpl-{next(self._request_ids)}"
-        with logged_request(request_id, "completions") as log, self.engine_errors():
+        with logged_request(request_id, "completions") as log, self.engine_errors("prompt"):
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is not a generative model: it serves no completions")
             request = await self.encode(lambda chat_model: parse_completion_request(data, chat_model))
@@ -127,7 +127,7 @@ class Service:
 
     async def score(self, data):
         """Cross-encoder scores of text pairs (handler/scoring.py, docs/scoring.md)."""
-        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors():
+        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors("text_2"):
             if self.worker.kind != "classifier":
                 raise RequestError(f"{self.model_name} is not a cross-encoder (a sequence-classification model): it "
                                    "scores no text pairs")
@@ -175,7 +175,7 @@ class Service:
     async def embeddings(self, data):
         """Pooled vectors of token id lists; with `truncate_prompt_tokens` the reply also says how many
         tokens were embedded (`usage`), since inputs may have been cut."""
-        with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors():
+        with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors("input"):
             if self.worker.kind == "classifier":
                 raise RequestError(f"{self.model_name} is a cross-encoder: it scores text pairs (score, rerank), it "
                                    "does not embed")
@@ -189,10 +189,7 @@ class Service:
             if keep_last is not None:
                 token_lists = [tokens[-keep_last:] for tokens in token_lists]
             self.check_embedding_lengths(token_lists)
-            try:  # the worker checks them too; here its refusal names the field
-                check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)
-            except ValueError as exc:
-                raise RequestError(str(exc), param="input") from None
+            check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)  # before the queue
             log.prompt_tokens = sum(map(len, token_lists))
             vectors = await self.worker.embed(token_lists)
             if keep_last is None:
@@ -261,10 +258,14 @@ class Service:
                     param="input", code="context_length_exceeded")
 
     @contextlib.contextmanager
-    def engine_errors(self):
-        """The engine's RuntimeError once it is lost or stopped becomes EngineUnavailable (503)."""
+    def engine_errors(self, prompt_field: str):
+        """The engine's refusal of a prompt (engine/errors.py) becomes a RequestError naming prompt_field, the
+        request field the prompt came from; its RuntimeError once it is lost or stopped becomes EngineUnavailable
+        (503). Anything else it raises is our bug (500)."""
         try:
             yield
+        except PromptRejected as exc:
+            raise RequestError(str(exc), param=prompt_field) from exc
         except RuntimeError as exc:
             reason = self.worker.unavailable
             if reason is None:

@@ -1,5 +1,6 @@
 """Only a RequestError is the client's fault: a ValueError raised inside the engine is our bug, answered with a 500
-and its traceback in the log, and the handler goes on serving the next request."""
+and its traceback in the log, and the handler goes on serving the next request. The engine's PromptRejected (a
+prompt it cannot serve as sent) is the client's: a 400 naming the field."""
 import asyncio
 import logging
 import time
@@ -11,22 +12,23 @@ import pytest
 from daemon_protocol import Registry
 from daemon_protocol.session import Session
 from daemon_protocol.writer import ReplyWriter
+from engine import PromptRejected
 from handler.service import Service
 
 
-class BuggyEngine:
-    """An engine whose first submit raises ValueError (a bug of ours); later requests finish with one token."""
+class FailingEngine:
+    """An engine whose next submit raises `failure` (when set); other requests finish with one token."""
 
     kind, eos_token_ids, max_model_len, max_embedding_tokens, reads_images = "decoder", (), 2048, 2048, False
 
     def __init__(self, model_dir: str):
-        self.model_dir, self.vocab_size, self.submits = model_dir, 49152, 0
+        self.model_dir, self.vocab_size, self.failure = model_dir, 49152, None
 
     def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None,
                images=()):
-        self.submits += 1
-        if self.submits == 1:
-            raise ValueError("the engine has a bug")
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
         outputs = queue or asyncio.Queue()
         outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
                                            error=None, logprobs=None, prompt_logprobs=None))
@@ -77,15 +79,34 @@ async def serve_in_turn(service: Service, requests: list[dict]) -> list:
     return replies_of(bytes(transport.data))
 
 
+@pytest.fixture(scope="module")
+def engine_and_service(smollm2_path, smollm2_tokenizer):
+    engine = FailingEngine(smollm2_path)
+    return engine, Service(engine, smollm2_tokenizer, "smollm2")
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
 @pytest.mark.slow  # the Service starts its grammar compiler processes
-def test_a_value_error_inside_the_engine_is_a_500_and_the_next_request_is_served(smollm2_path, smollm2_tokenizer,
-                                                                                 caplog):
-    service = Service(BuggyEngine(smollm2_path), smollm2_tokenizer, "smollm2")
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+def test_a_value_error_inside_the_engine_is_a_500_and_the_next_request_is_served(engine_and_service, caplog):
+    engine, service = engine_and_service
+    engine.failure = ValueError("the engine has a bug")
     with caplog.at_level(logging.ERROR, logger="daemon_protocol"):
-        replies = asyncio.run(serve_in_turn(service, [{"id": 1, "name": "chat_completions", "data": chat},
-                                                      {"id": 2, "name": "chat_completions", "data": chat}]))
+        replies = asyncio.run(serve_in_turn(service, [{"id": 1, "name": "chat_completions", "data": CHAT},
+                                                      {"id": 2, "name": "chat_completions", "data": CHAT}]))
     assert replies[0] == {"id": 1, "error": "ValueError: the engine has a bug", "status": 500}
     assert [reply["data"]["finish_reason"] for reply in replies[1:]] == ["length"]
     assert all(reply["id"] == 2 for reply in replies[1:])
     assert "Traceback" in caplog.text and "ValueError: the engine has a bug" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_prompt_the_engine_rejects_is_a_400_naming_the_field(engine_and_service, caplog):
+    engine, service = engine_and_service
+    engine.failure = PromptRejected("the prompt is empty: it needs at least one token")
+    with caplog.at_level(logging.ERROR, logger="daemon_protocol"):
+        [reply] = asyncio.run(serve_in_turn(service, [{"id": 3, "name": "chat_completions", "data": CHAT}]))
+    assert reply == {"id": 3, "error": "the prompt is empty: it needs at least one token", "status": 400,
+                     "param": "messages"}
+    assert "Traceback" not in caplog.text
