@@ -42,6 +42,12 @@ NonEmptyString = Annotated[str, Meta(min_length=1, description="a non-empty stri
 Stop = described(NonEmptyString | list[NonEmptyString], "a non-empty string or a list of non-empty strings")
 
 
+Temperature = number("a number >= 0", ge=0)
+TopP = number("a number in (0, 1]", gt=0, le=1)
+TopK = integer("an integer (0 or less: off)")
+MaxTokens = integer("an integer >= 1", ge=1)
+
+
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: Boolean | None = None
 
@@ -56,16 +62,16 @@ class StreamFields(Struct):
 class Sampling(StreamFields):
     """The fields chat and legacy completions share."""
 
-    temperature: number("a number >= 0", ge=0) | None = None
-    top_p: number("a number in (0, 1]", gt=0, le=1) | None = None
-    top_k: integer("an integer (0 or less: off)") | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     min_p: number("a number in [0, 1]", ge=0, le=1) | None = None
     presence_penalty: number("a number in [-2, 2]", ge=-2, le=2) | None = None
     frequency_penalty: number("a number in [-2, 2]", ge=-2, le=2) | None = None
     repetition_penalty: number("a number in (0, 2]", gt=0, le=2) | None = None
     seed: integer(SEEDS, ge=0) | None = None
     ignore_eos: Boolean = False
-    max_tokens: integer("an integer >= 1", ge=1) | None = None
+    max_tokens: MaxTokens | None = None
     n: integer("an integer >= 1", ge=1) = 1
     stop: Stop | None = None
     logit_bias: described(dict, "a map from token id to bias") | None = None  # values: __post_init__
@@ -160,7 +166,7 @@ class ResponseFormat(Struct):
 class ChatCompletionRequest(Sampling, kw_only=True):
     messages: Annotated[list[described(Message, "a map with role and content")],
                         Meta(min_length=1, description="a non-empty list of messages")]
-    max_completion_tokens: integer("an integer >= 1", ge=1) | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: Boolean = False
     top_logprobs: integer("an integer >= 0", ge=0) | None = None
     tools: Annotated[list[described(Tool, 'a map: {"type": "function", "function": {...}}')],

@@ -20,6 +20,7 @@ MISSING = re.compile(r"^Object missing required field `(\w+)`$")
 UNKNOWN = re.compile(r"^Object contains unknown field `(\w+)`$")
 EXPECTED = re.compile(r"^Expected `([^`]+)`(.*)$")
 INVALID_ENUM = re.compile(r"^Invalid enum value (.*)$")
+NOT_FOUND = object()
 TYPE_WORDS = {"float": "a number", "int": "an integer", "str": "a string", "bool": "a boolean", "object": "a map",
               "array": "a list", "null": "null"}
 
@@ -36,14 +37,17 @@ def decode(data, kind: type[T]) -> T:
 
 
 def field_error(message: str, data: dict, kind: type) -> RequestError:
+    """msgspec's message ("<problem> - at `$.a[0].b`") as ours, naming the field and what it must be."""
     at = AT.match(message)
     problem, path = (at.group(1), at.group(2)) if at else (message, "")
     segments = [name or index for name, index in SEGMENT.findall(path)]
-    for pattern, wording in ((MISSING, "{} is required"), (UNKNOWN, "{} is not supported here; leave it out")):
-        named = pattern.match(problem)
-        if named:
-            segments.append(named.group(1))
-            return RequestError(wording.format(where(segments)), param=segments[0])
+    missing, unknown = MISSING.match(problem), UNKNOWN.match(problem)
+    if missing:
+        field = [*segments, missing.group(1)]
+        return RequestError(f"{where(field)} is required", param=field[0])
+    if unknown:
+        field, known = [*segments, unknown.group(1)], ", ".join(field_names(kind, segments))
+        return RequestError(f"{where(field)} is not supported here; leave it out (supported: {known})", param=field[0])
     expects = description(kind, segments) or expected_words(problem)
     found = value_at(data, segments)
     got = "" if found is NOT_FOUND else f", got {found!r:.100}"
@@ -51,13 +55,12 @@ def field_error(message: str, data: dict, kind: type) -> RequestError:
 
 
 def where(segments: list[str]) -> str:
+    """The path as a client reads it: messages[0].content."""
     return "".join(f"[{s}]" if s.isdigit() or s == "..." else f".{s}" for s in segments).lstrip(".")
 
 
-NOT_FOUND = object()
-
-
 def value_at(data, segments: list[str]):
+    """The value sent at the path; NOT_FOUND where the path names no one value (a map's values, `[...]`)."""
     for segment in segments:
         if segment == "...":
             return NOT_FOUND
@@ -90,6 +93,15 @@ def description(kind: type, segments: list[str]) -> str | None:
 @functools.cache
 def type_info(kind: type):
     return inspect.type_info(kind)
+
+
+def field_names(kind: type, segments: list[str]) -> list[str]:
+    """The fields of the Struct at `segments` inside `kind`."""
+    info = type_info(kind)
+    for segment in segments:
+        info = step(info, segment)
+    struct = next(member for member in members(info) if isinstance(member, inspect.StructType))
+    return [field.encode_name for field in struct.fields]
 
 
 def step(info, segment: str):
