@@ -33,7 +33,8 @@ from handler.memory import resident_bytes
 from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
-from schema import type_name
+from schema import decode
+from schema.embeddings import EmbeddingsRequest, TokenizeRequest
 
 ENCODER_THREADS = 4  # requests encoded at once
 ENCODER_START_TIMEOUT_S = 60.0
@@ -156,16 +157,9 @@ class Service:
         """Token ids of each input string; longer than the model's embedding limit is an error unless
         `truncate_prompt_tokens` asks to keep the last tokens (engine/embedding.py, docs/errors.md)."""
         with logged_request(f"tokenize-{next(self._request_ids)}", "tokenize") as log:
-            texts = field(data, "input")
-            if isinstance(texts, str):
-                texts = [texts]
-            if not isinstance(texts, list) or not texts:
-                raise RequestError(f"input must be a non-empty list of strings, got {type_name(texts)}", param="input")
-            for i, text in enumerate(texts):
-                if not isinstance(text, str) or not text:
-                    raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
-            keep_last = self.truncation(data)
-            texts = self.bounded_texts(texts, keep_last)
+            request = decode(data, TokenizeRequest)
+            keep_last = self.truncation(request.truncate_prompt_tokens)
+            texts = self.bounded_texts(request.texts(), keep_last)
             tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
                                                                               keep_last))
             self.check_embedding_lengths(tokens)
@@ -179,13 +173,9 @@ class Service:
             if self.worker.kind == "classifier":
                 raise RequestError(f"{self.model_name} is a cross-encoder: it scores text pairs (score, rerank), it "
                                    "does not embed")
-            token_lists = field(data, "input")
-            if not isinstance(token_lists, list) or not token_lists:
-                raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}",
-                                   param="input")
-            for i, tokens in enumerate(token_lists):
-                check_token_list(tokens, f"input[{i}]")
-            keep_last = self.truncation(data)
+            request = decode(data, EmbeddingsRequest)
+            token_lists = request.input
+            keep_last = self.truncation(request.truncate_prompt_tokens)
             if keep_last is not None:
                 token_lists = [tokens[-keep_last:] for tokens in token_lists]
             self.check_embedding_lengths(token_lists)
@@ -217,15 +207,14 @@ class Service:
         """The engine's numbers and the handler's resident memory."""
         return {**self.worker.stats(), "handler_rss_bytes": resident_bytes()}
 
-    def truncation(self, data: dict) -> int | None:
+    def truncation(self, keep_last: int | None) -> int | None:
         """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
         vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit; without it, the model's
         limit when the operator set HFENDPOINT_AUTO_TRUNCATE (TEI's auto-truncate)."""
-        keep_last = data.get("truncate_prompt_tokens")
         limit = self.worker.max_embedding_tokens
         if keep_last is None:
             return limit if self.auto_truncate else None
-        if type(keep_last) is not int or not (keep_last == -1 or 1 <= keep_last <= limit):
+        if not (keep_last == -1 or 1 <= keep_last <= limit):
             raise RequestError(f"truncate_prompt_tokens must be -1 (the model's limit) or an integer from 1 to "
                                f"{limit}, got {keep_last!r:.100}", param="truncate_prompt_tokens")
         return limit if keep_last == -1 else keep_last
@@ -278,18 +267,3 @@ class Service:
         if self._engine_report is None or self._engine_report.get_loop() is not loop:
             self._engine_report = loop.create_task(
                 report_engine(self.handler_stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
-
-
-def check_token_list(tokens, where: str) -> None:
-    if not isinstance(tokens, list) or not tokens:
-        raise RequestError(f"{where} must be a non-empty list of token ids, got {type_name(tokens)}", param="input")
-    if not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
-        raise RequestError(f"{where} must hold integer token ids only", param="input")
-
-
-def field(data, name: str):
-    if not isinstance(data, dict):
-        raise RequestError(f"request data must be a map, got {type_name(data)}")
-    if data.get(name) is None:
-        raise RequestError(f"{name} is required", param=name)
-    return data[name]
