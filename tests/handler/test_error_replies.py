@@ -4,7 +4,6 @@ prompt it cannot serve as sent) is the client's: a 400 naming the field."""
 import asyncio
 import logging
 import time
-from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -13,33 +12,8 @@ from daemon_protocol import Registry
 from daemon_protocol.session import Session
 from daemon_protocol.writer import ReplyWriter
 from engine import PromptRejected
+from fake_engine import FakeWorker
 from handler.service import Service
-
-
-class FailingEngine:
-    """An engine whose next submit raises `failure` (when set); other requests finish with one token."""
-
-    kind, eos_token_ids, max_model_len, max_embedding_tokens, reads_images = "decoder", (), 2048, 2048, False
-
-    def __init__(self, model_dir: str):
-        self.model_dir, self.vocab_size, self.failure = model_dir, 49152, None
-
-    def submit(self, request_id, prompt_token_ids, params, constraint=None, queue=None, shares_prompt_with=None,
-               images=()):
-        failure, self.failure = self.failure, None
-        if failure is not None:
-            raise failure
-        outputs = queue or asyncio.Queue()
-        outputs.put_nowait(SimpleNamespace(request_id=request_id, new_token_ids=[42], finish_reason="length",
-                                           error=None, logprobs=None, prompt_logprobs=None))
-        return outputs
-
-    def stats(self) -> dict:
-        return {"running": 0, "waiting": 0, "num_free_blocks": 1, "num_total_blocks": 1,
-                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}
-
-    def abort(self, request_id):
-        pass
 
 
 class CollectingTransport(asyncio.WriteTransport):
@@ -81,7 +55,7 @@ async def serve_in_turn(service: Service, requests: list[dict]) -> list:
 
 @pytest.fixture(scope="module")
 def engine_and_service(smollm2_path, smollm2_tokenizer):
-    engine = FailingEngine(smollm2_path)
+    engine = FakeWorker(smollm2_path)
     return engine, Service(engine, smollm2_tokenizer, "smollm2")
 
 
