@@ -119,7 +119,7 @@ def check_nesting(value, limits: RequestLimits, where: str | None = None) -> Non
     recursively (the schema's decoding, the template's tojson, the grammar compiler, a JSON encoder)."""
     if not nesting_depth_over(value, limits.max_nesting_depth):
         return
-    if where is None:  # name the top-level field that nests too deeply
+    if where is None and isinstance(value, dict):  # name the top-level field that nests too deeply
         where = next((name for name, item in value.items() if nesting_depth_over(item, limits.max_nesting_depth - 1)),
                      None)
     raise RequestError(f"{where or 'the request'} nests lists and maps more than {limits.max_nesting_depth} levels "
