@@ -6,10 +6,10 @@ field), which matters on the request path; its decoding is strict (no "1" for 1,
 promise; and it also decodes MessagePack, the handler's wire. This package imports nothing from the handler,
 the engine or the front (no torch), so that both ends of the wire can use it.
 """
-from .chat import ChatCompletionRequest, Message, StreamFields, Tool
+from .chat import ChatCompletionRequest, Message, StreamFields
 from .completions import CompletionRequest
 from .decode import decode, type_name
 from .scoring import ScoreRequest
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "Message", "ScoreRequest", "StreamFields", "Tool", "decode",
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "Message", "ScoreRequest", "StreamFields", "decode",
            "type_name"]

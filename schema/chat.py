@@ -40,8 +40,6 @@ String = described(str, "a string")
 Map = described(dict, "a map")
 NonEmptyString = Annotated[str, Meta(min_length=1, description="a non-empty string")]
 Stop = described(NonEmptyString | list[NonEmptyString], "a non-empty string or a list of non-empty strings")
-
-
 Temperature = number("a number >= 0", ge=0)
 TopP = number("a number in (0, 1]", gt=0, le=1)
 TopK = integer("an integer (0 or less: off)")
