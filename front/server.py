@@ -34,6 +34,7 @@ from aiohttp import web
 from daemon_protocol import RequestError
 from daemon_protocol.log import error
 from schema import StreamFields, decode
+from schema.embeddings import EmbeddingsBody
 
 from . import anthropic
 from .completions import CompletionReply, stream_choice as completion_choice
@@ -435,16 +436,12 @@ async def embeddings(request: web.Request) -> web.Response:
     """Like the production daemon: strings go through `tokenize`, then token lists through `embeddings`.
     `truncate_prompt_tokens` (vLLM's name) travels with both; the handler checks it and, when inputs are
     cut, says how many tokens it embedded (its reply's usage)."""
-    body = await read_json_object(request)
-    encoding_format = body.get("encoding_format") or "float"
-    if encoding_format not in ("float", "base64"):
-        raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-    if body.get("dimensions") is not None:
+    body = decode(await read_json_object(request), EmbeddingsBody)
+    if body.dimensions is not None:
         raise ApiError(400, "'dimensions' is not supported: the model's vectors have a fixed size; leave it out",
                        param="dimensions")
-    optional_type(body, "user", str, "a string")
-    texts, token_lists = token_lists_or_texts(body.get("input"))
-    options = {"truncate_prompt_tokens": body["truncate_prompt_tokens"]} if "truncate_prompt_tokens" in body else {}
+    texts, token_lists = token_lists_or_texts(body.input)
+    options = {} if body.truncate_prompt_tokens is None else {"truncate_prompt_tokens": body.truncate_prompt_tokens}
     connection, timeout = request.app[CONNECTION], request.app[SETTINGS].chunk_timeout
     if texts is not None:
         tokenized = await connection.call("tokenize", {"input": texts, **options}, timeout)
@@ -460,7 +457,7 @@ async def embeddings(request: web.Request) -> web.Response:
               else sum(len(t) for t in token_lists))
     return web.json_response({
         "object": "list", "model": model_name(request),
-        "data": [{"object": "embedding", "embedding": encode_embedding(v, encoding_format), "index": i}
+        "data": [{"object": "embedding", "embedding": encode_embedding(v, body.encoding_format), "index": i}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 

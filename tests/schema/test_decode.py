@@ -4,6 +4,7 @@ import pytest
 from daemon_protocol import RequestError
 from schema import ChatCompletionRequest, CompletionRequest, ScoreRequest, decode
 from schema.anthropic import MessagesRequest
+from schema.embeddings import EmbeddingsBody, EmbeddingsRequest, TokenizeRequest
 
 USER = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -36,6 +37,10 @@ def refusal(data, kind=ChatCompletionRequest) -> RequestError:
     ({"model": "m", "messages": [], "max_tokens": 0}, MessagesRequest, "max_tokens must be an integer >= 1, got 0",
      "max_tokens"),
     ({"model": "m", "messages": []}, MessagesRequest, "max_tokens is required", "max_tokens"),
+    ({"input": ["a", ""]}, TokenizeRequest, "input[1] must be a non-empty string, got ''", "input"),
+    ({"input": [[1, True]]}, EmbeddingsRequest, "input[0][1] must be an integer, got True", "input"),
+    ({"input": "a", "encoding_format": "int8"}, EmbeddingsBody, "encoding_format must be 'float' or 'base64', got "
+     "'int8'", "encoding_format"),
 ])
 def test_a_refusal_names_the_field_what_it_must_be_and_what_came(data, kind, message, param):
     error = refusal(data, kind)
