@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from front.handler_connection import HandlerConnection  # noqa: E402
 from front.server import make_app  # noqa: E402
+from front.settings import FrontSettings  # noqa: E402
 from handler.model_source import packaged_model_path  # noqa: E402
 
 KEY = "campaign-key"
@@ -95,7 +96,7 @@ class Service:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        app = make_app(self.connection, KEY, 120.0, idle_timeout=idle_timeout)
+        app = make_app(self.connection, FrontSettings(api_key=KEY, chunk_timeout=120.0, idle_timeout=idle_timeout))
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=idle_timeout)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()

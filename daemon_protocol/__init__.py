@@ -8,13 +8,13 @@
 
     asyncio.run(daemon_protocol.run())
 
-A handler refuses a request by raising: RequestError (or any ValueError) gets an error reply with status
-400, or the status it carries (docs/errors.md).
+A handler refuses a request by raising RequestError: its error reply has status 400, or the status it carries
+(docs/errors.md). Any other exception is a 500, its traceback logged.
 """
-from .errors import RequestError
+from .errors import ReplyError, RequestError
 from .log import error
 from .registry import Registry, handler
 from .server import run, serve
 from .transports import TransportError
 
-__all__ = ["Registry", "RequestError", "TransportError", "error", "handler", "run", "serve"]
+__all__ = ["Registry", "ReplyError", "RequestError", "TransportError", "error", "handler", "run", "serve"]

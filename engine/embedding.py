@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.errors import PromptRejected
 from kernels import AttentionMetadata
 from models.pooling import PoolingConfig, pool, read_pooling_config
 
@@ -20,18 +21,18 @@ Forward = Callable[[list[list[int]]], tuple[Tensor, Tensor]]  # a batch of token
 
 
 def check_inputs(token_lists: list[list[int]], vocab_size: int, max_tokens: int) -> None:
-    """ValueError naming the first input that is empty, longer than max_tokens (inputs are refused, not cut:
+    """PromptRejected naming the first input that is empty, longer than max_tokens (inputs are refused, not cut:
     truncation is the caller's choice) or holds an id outside the vocabulary."""
     if not token_lists:
-        raise ValueError("no inputs to embed")
+        raise PromptRejected("no inputs to embed")
     for i, tokens in enumerate(token_lists):
         if not tokens:
-            raise ValueError(f"input {i} is empty: every input needs at least one token")
+            raise PromptRejected(f"input {i} is empty: every input needs at least one token")
         if len(tokens) > max_tokens:
-            raise ValueError(f"input {i} has {len(tokens)} tokens, more than the model's limit of {max_tokens}")
+            raise PromptRejected(f"input {i} has {len(tokens)} tokens, more than the model's limit of {max_tokens}")
         low, high = min(tokens), max(tokens)
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"input {i} has token id {low if low < 0 else high}, outside the vocabulary "
+            raise PromptRejected(f"input {i} has token id {low if low < 0 else high}, outside the vocabulary "
                              f"[0, {vocab_size})")
 
 

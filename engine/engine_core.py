@@ -7,6 +7,7 @@ from torch import Tensor
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedding import Embedder
+from engine.errors import PromptRejected
 from engine.images import PromptImage, place_images
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import Scheduler
@@ -45,17 +46,18 @@ class EngineCore:
         self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """ValueError saying what is wrong with a prompt the engine cannot serve."""
+        """PromptRejected saying what is wrong with a prompt the engine cannot serve (ValueError: a model that
+        serves no generation)."""
         if not self.runner.can_generate:
             raise ValueError(f"model {self.model} is an embedding model (no LM head): it serves embeddings only")
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
+            raise PromptRejected("the prompt is empty: it needs at least one token")
         if len(prompt_token_ids) + 1 > self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; with at least one token to "
+            raise PromptRejected(f"the prompt has {len(prompt_token_ids)} tokens; with at least one token to "
                              f"generate it must be shorter than max_model_len={self.max_model_len}")
         low, high = min(prompt_token_ids), max(prompt_token_ids)
         if low < 0 or high >= self.runner.vocab_size:
-            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary "
+            raise PromptRejected(f"token id {low if low < 0 else high} is outside the vocabulary "
                              f"[0, {self.runner.vocab_size})")
 
     def make_sequence(self, request_id, prompt_token_ids: list[int], params, constraint=None,

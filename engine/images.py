@@ -18,6 +18,8 @@ import torch
 import xxhash
 from torch import Tensor
 
+from engine.errors import PromptRejected
+
 
 @dataclass(eq=False)
 class PromptImage:
@@ -43,18 +45,18 @@ class PromptImage:
 
 def place_images(token_ids: list[int], images: list[PromptImage], image_token_id: int, tokens_per_image: int
                  ) -> None:
-    """Sets each image's span from the runs of image_token_id in the prompt; ValueError when the runs do not
-    match the images one to one, each tokens_per_image long."""
+    """Sets each image's span from the runs of image_token_id in the prompt; PromptRejected when the runs do not
+    match the images one to one, each tokens_per_image long (a client may type the image token itself)."""
     ids = np.asarray(token_ids)
     is_image = np.concatenate(([False], ids == image_token_id, [False]))
     edges = np.flatnonzero(is_image[1:] != is_image[:-1])
     runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
     if len(runs) != len(images):
-        raise ValueError(f"the prompt has {len(runs)} runs of the image token (id {image_token_id}) but "
+        raise PromptRejected(f"the prompt has {len(runs)} runs of the image token (id {image_token_id}) but "
                          f"{len(images)} images came with it: each image needs one run")
     for i, ((start, end), image) in enumerate(zip(runs, images)):
         if end - start != tokens_per_image:
-            raise ValueError(f"image {i}'s run of image tokens is {end - start} long; the model reads "
+            raise PromptRejected(f"image {i}'s run of image tokens is {end - start} long; the model reads "
                              f"{tokens_per_image} soft tokens per image")
         image.offset, image.length = start, end - start
 

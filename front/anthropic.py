@@ -11,12 +11,12 @@ import uuid
 from aiohttp import web
 
 from daemon_protocol import RequestError
+from schema import decode
+from schema.anthropic import MessagesRequest
 
 from .handler_connection import HandlerError, HandlerGone
 
 MESSAGES_PATH = "/v1/messages"
-FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
-          "metadata", "stream", "tools", "tool_choice")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")  # the same names and meaning in the chat request
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", a named function
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # "stop" is end_turn or stop_sequence
@@ -27,51 +27,19 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 # Request: Anthropic's Messages request -> the chat data of the chat_completions handler call
 def chat_data(body: dict) -> dict:
-    """The chat request for a Messages request; RequestError naming the field for anything it cannot carry."""
-    unknown = [key for key in body if key not in FIELDS]
-    if unknown:
-        raise RequestError(f"{unknown[0]}: not supported by this server; leave it out (supported fields: "
-                           f"{', '.join(FIELDS)})", param=unknown[0])
-    for key in ("model", "max_tokens", "messages"):
-        if body.get(key) is None:
-            raise RequestError(f"{key}: field required", param=key)
-    if not isinstance(body["model"], str):
-        raise RequestError("model must be a string", param="model")
-    max_tokens = body["max_tokens"]
-    if type(max_tokens) is not int or max_tokens < 1:
-        raise RequestError(f"max_tokens must be an integer of at least 1, got {max_tokens!r:.50}", param="max_tokens")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise RequestError("stream must be a boolean", param="stream")
-    check_metadata(body.get("metadata"))
-    tools = chat_tools(body.get("tools"))
-    data = {"model": body["model"], "max_tokens": max_tokens, "stream": bool(body.get("stream")),
-            "messages": system_messages(body.get("system")) + chat_messages(body["messages"]),
-            **{key: body[key] for key in SAMPLING_FIELDS if body.get(key) is not None}}
+    """The chat request for a Messages request; RequestError naming the field for anything it cannot carry. The
+    top-level fields are checked by the schema (schema/anthropic.py), with the chat fields' own types."""
+    request = decode(body, MessagesRequest)
+    tools = chat_tools(request.tools)
+    data = {"model": request.model, "max_tokens": request.max_tokens, "stream": request.stream,
+            "messages": system_messages(request.system) + chat_messages(request.messages),
+            **{key: getattr(request, key) for key in SAMPLING_FIELDS if getattr(request, key) is not None}}
     if tools:
         data["tools"] = tools
-    data.update(chat_tool_choice(body.get("tool_choice"), bool(tools)))
-    stop = stop_strings(body.get("stop_sequences"))
-    if stop:
-        data["stop"] = stop
+    data.update(chat_tool_choice(request.tool_choice, bool(tools)))
+    if request.stop_sequences:
+        data["stop"] = request.stop_sequences
     return data
-
-
-def check_metadata(metadata) -> None:
-    """Accepted and checked; nothing in it changes the reply."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict):
-        raise RequestError("metadata must be an object", param="metadata")
-    if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
-        raise RequestError("metadata.user_id must be a string", param="metadata.user_id")
-
-
-def stop_strings(stop) -> list[str]:
-    if stop is None:
-        return []
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("stop_sequences must be a list of non-empty strings", param="stop_sequences")
-    return stop
 
 
 def system_messages(system) -> list[dict]:

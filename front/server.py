@@ -33,6 +33,8 @@ from aiohttp import web
 
 from daemon_protocol import RequestError
 from daemon_protocol.log import error
+from schema import StreamFields, decode
+from schema.embeddings import EmbeddingsBody
 
 from . import anthropic
 from .completions import CompletionReply, stream_choice as completion_choice
@@ -43,28 +45,25 @@ from .openai_chat import ChatReply, stream_choice
 from .scoring import (
     RERANK_PARAMS,
     TEI_PARAMS,
-    ScoringInputError,
     checked_scores,
-    flags,
     rerank_call,
-    rerank_options,
     rerank_results,
     score_call,
     score_data,
+    tei_rerank_call,
     tei_results,
 )
+from .settings import CHUNK_TIMEOUT_S, IDLE_TIMEOUT_S, FrontSettings
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-CHUNK_TIMEOUT_S = 300.0  # the production daemon's limit between two chunks of one request
-IDLE_TIMEOUT_S = 75.0    # a connection with no request, or a request body, silent this long is closed
 MAX_TOKEN_ID = (1 << 32) - 1
 DEFAULT_MODEL_NAME = "hfendpoint"  # for a handler that does not answer `models` with an id
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 UNAUTHENTICATED_PATHS = ("/", "/health")  # probes: everything else needs the key, when one is set
 
 CONNECTION = web.AppKey("connection", HandlerConnection)
-SETTINGS = web.AppKey("settings", dict)
+SETTINGS = web.AppKey("settings", FrontSettings)
+STARTED = web.AppKey("started", int)
 HEALTH = web.AppKey("health", HandlerHealth)
 METRICS = web.AppKey("metrics", ServingMetrics)
 log = logging.getLogger("front")
@@ -110,14 +109,16 @@ async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI-shaped JSON; the API key (a bearer token, or Anthropic's x-api-key) is
     checked on every route but health (and /metrics when the operator opened it)."""
     settings = request.app[SETTINGS]
-    key = settings["api_key"]
-    if key and needs_key(request.path, settings["open_metrics"]) and not key_sent(request, key):
+    key = settings.api_key
+    if key and needs_key(request.path, settings.open_metrics) and not key_sent(request, key):
         return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
                                    "'x-api-key: <key>'", code="invalid_api_key")
     try:
         return await handler(request)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.param, exc.code)
+    except RequestError as exc:  # the front's own reading of the body, by the schema (schema/)
+        return error_response(exc.status, str(exc), exc.param, exc.code)
     except UnencodableRequest as exc:
         return error_response(400, str(exc), exc.param)
     except HandlerError as exc:
@@ -153,7 +154,7 @@ def bearer_matches(authorization: str, key: str) -> bool:
 
 async def read_body(request: web.Request) -> bytes:
     """The request body, refused (408) when the client stops sending it for the idle timeout."""
-    timeout = request.app[SETTINGS]["idle_timeout"]
+    timeout = request.app[SETTINGS].idle_timeout
     body = bytearray()
     while True:
         try:
@@ -212,35 +213,23 @@ async def list_models(request: web.Request) -> web.Response:
         raise ApiError(503, f"{health.problem()}; try again shortly", code="handler_unavailable")
     capabilities = {"capabilities": health.capabilities} if health.capabilities is not None else {}
     return web.json_response({"object": "list", "data": [
-        {"id": model_name(request), "object": "model", "created": request.app[SETTINGS]["started"],
+        {"id": model_name(request), "object": "model", "created": request.app[STARTED],
          "owned_by": "hfendpoint", **capabilities}]})
 
 
 # Chat
-def validate_chat(body: dict) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise ApiError(400, "'messages' must be a list of message objects", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
-    validate_stream_fields(body)
-
-
-def validate_stream_fields(body: dict) -> None:
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    optional_type(body, "stream_options", dict, "an object")
-    include_usage = (body.get("stream_options") or {}).get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
+def stream_fields(body: dict) -> StreamFields:
+    """What the front reads of a chat or completions body before forwarding it (whether to stream, and with usage),
+    checked by the handler's own schema: a bad value is the 400 the handler would answer, in the same words and
+    `param`. The rest of the body is the handler's to check."""
+    return decode(body, StreamFields)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
-    validate_chat(body)
-    if body.get("stream"):
-        return await stream_chat(request, body)
+    fields = stream_fields(body)
+    if fields.stream:
+        return await stream_chat(request, body, fields)
     reply = await complete_chat(request, body)
     return web.json_response({
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -262,7 +251,7 @@ async def chat_chunks(request: web.Request, stream):
     started = time.perf_counter()
     first_chunk_s = None
     while True:
-        payload = await stream.next(request.app[SETTINGS]["chunk_timeout"])
+        payload = await stream.next(request.app[SETTINGS].chunk_timeout)
         if not isinstance(payload, dict):
             raise HandlerError(f"the handler sent a chat chunk that is not a map: {payload!r:.100}")
         if first_chunk_s is None:
@@ -294,12 +283,13 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_chat(request: web.Request, body: dict, name: str = "chat_completions") -> web.StreamResponse:
+async def stream_chat(request: web.Request, body: dict, fields: StreamFields,
+                      name: str = "chat_completions") -> web.StreamResponse:
     """SSE: one chat.completion.chunk (for name "completions", text_completion) per reply chunk. The response
     starts with the first chunk, so a request the handler rejects at once still gets a plain HTTP error with the
     reply's status."""
     stream = await open_chat(request, body, name)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    include_usage = fields.stream_options is not None and fields.stream_options.include_usage is True
     chat = name == "chat_completions"
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time())}
@@ -339,9 +329,9 @@ async def stream_chat(request: web.Request, body: dict, name: str = "chat_comple
 # Legacy completions (the handler's `completions` call, docs/completions.md)
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
-    validate_stream_fields(body)
-    if body.get("stream"):
-        return await stream_chat(request, body, "completions")
+    fields = stream_fields(body)
+    if fields.stream:
+        return await stream_chat(request, body, fields, "completions")
     reply = await complete_chat(request, body, "completions", CompletionReply())
     return web.json_response({
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -352,7 +342,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def score_pairs(request: web.Request, data: dict, params: dict[str, str]) -> tuple[list[float], dict]:
     """The handler's scores of data's pairs and its usage; its errors name the route's fields (params)."""
     try:
-        reply = await request.app[CONNECTION].call("score", data, request.app[SETTINGS]["chunk_timeout"])
+        reply = await request.app[CONNECTION].call("score", data, request.app[SETTINGS].chunk_timeout)
     except HandlerError as exc:
         exc.param = params.get(exc.param, exc.param)
         raise
@@ -365,41 +355,30 @@ async def score_pairs(request: web.Request, data: dict, params: dict[str, str]) 
 
 async def score(request: web.Request) -> web.Response:
     """vLLM's /v1/score."""
-    body = await read_json_object(request)
-    try:
-        data = score_call(body)
-    except ScoringInputError as exc:
-        raise ApiError(400, str(exc), exc.param) from None
-    scores, usage = await score_pairs(request, data, {})
+    scores, usage = await score_pairs(request, score_call(await read_json_object(request)), {})
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                               "model": model_name(request), "data": score_data(scores), "usage": usage})
 
 
 async def rerank(request: web.Request) -> web.Response:
     """vLLM's /v1/rerank (Jina's and Cohere's shape): results by decreasing relevance."""
-    body = await read_json_object(request)
-    try:
-        data, texts = rerank_call(body, "documents")
-        top_n, return_documents = rerank_options(body, len(texts))
-    except ScoringInputError as exc:
-        raise ApiError(400, str(exc), exc.param) from None
+    data, texts, body = rerank_call(await read_json_object(request))
     scores, usage = await score_pairs(request, data, RERANK_PARAMS)
     return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": model_name(request), "usage": usage,
-                              "results": rerank_results(scores, texts, top_n, return_documents)})
+                              "results": rerank_results(scores, texts, body)})
 
 
 async def tei_rerank(request: web.Request) -> web.Response:
-    """TEI's /rerank: [{index, score, text}] by decreasing score; errors in TEI's shape ({error, error_type})."""
+    """TEI's /rerank: [{index, score, text}] by decreasing score; errors in TEI's shape ({error, error_type}),
+    a body that does not fit 422 as TEI answers it."""
     try:
-        body = await read_json_object(request)
-        data, texts = rerank_call(body, "texts")
-        return_text = flags(body, "return_text").get("return_text", False)
+        data, body = tei_rerank_call(await read_json_object(request))
         scores, _ = await score_pairs(request, data, TEI_PARAMS)
-    except ScoringInputError as exc:
+    except RequestError as exc:
         return tei_error(422, str(exc))
     except (ApiError, HandlerError) as exc:
         return tei_error(exc.status, str(exc))
-    return web.json_response(tei_results(scores, texts, return_text))
+    return web.json_response(tei_results(scores, body.texts, body.return_text))
 
 
 def tei_error(status: int, message: str) -> web.Response:
@@ -410,11 +389,7 @@ def tei_error(status: int, message: str) -> web.Response:
 # Anthropic Messages
 async def anthropic_messages(request: web.Request) -> web.StreamResponse:
     """The Messages request as chat data on the same chat_completions call; the reply in Anthropic's shape."""
-    body = await read_json_object(request)
-    try:
-        data = anthropic.chat_data(body)
-    except RequestError as exc:
-        raise ApiError(exc.status, str(exc), exc.param) from None
+    data = anthropic.chat_data(await read_json_object(request))
     events = anthropic.MessageEvents(model_name(request))
     stream = await open_chat(request, data)
     try:
@@ -461,17 +436,13 @@ async def embeddings(request: web.Request) -> web.Response:
     """Like the production daemon: strings go through `tokenize`, then token lists through `embeddings`.
     `truncate_prompt_tokens` (vLLM's name) travels with both; the handler checks it and, when inputs are
     cut, says how many tokens it embedded (its reply's usage)."""
-    body = await read_json_object(request)
-    encoding_format = body.get("encoding_format") or "float"
-    if encoding_format not in ("float", "base64"):
-        raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-    if body.get("dimensions") is not None:
+    body = decode(await read_json_object(request), EmbeddingsBody)
+    if body.dimensions is not None:
         raise ApiError(400, "'dimensions' is not supported: the model's vectors have a fixed size; leave it out",
                        param="dimensions")
-    optional_type(body, "user", str, "a string")
-    texts, token_lists = token_lists_or_texts(body.get("input"))
-    options = {"truncate_prompt_tokens": body["truncate_prompt_tokens"]} if "truncate_prompt_tokens" in body else {}
-    connection, timeout = request.app[CONNECTION], request.app[SETTINGS]["chunk_timeout"]
+    texts, token_lists = token_lists_or_texts(body.input)
+    options = {} if body.truncate_prompt_tokens is None else {"truncate_prompt_tokens": body.truncate_prompt_tokens}
+    connection, timeout = request.app[CONNECTION], request.app[SETTINGS].chunk_timeout
     if texts is not None:
         tokenized = await connection.call("tokenize", {"input": texts, **options}, timeout)
         token_lists = tokenized.get("tokens") if isinstance(tokenized, dict) else None
@@ -486,7 +457,7 @@ async def embeddings(request: web.Request) -> web.Response:
               else sum(len(t) for t in token_lists))
     return web.json_response({
         "object": "list", "model": model_name(request),
-        "data": [{"object": "embedding", "embedding": encode_embedding(v, encoding_format), "index": i}
+        "data": [{"object": "embedding", "embedding": encode_embedding(v, body.encoding_format), "index": i}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -532,17 +503,14 @@ async def responses(request: web.Request) -> web.Response:
                   "total_tokens": usage.get("total_tokens", 0)}})
 
 
-def make_app(connection: HandlerConnection, api_key: str | None, chunk_timeout: float,
-             health_timeout: float = HEALTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S,
-             open_metrics: bool = False) -> web.Application:
-    """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does.
-    open_metrics: /metrics answers without the API key."""
+def make_app(connection: HandlerConnection, settings: FrontSettings) -> web.Application:
+    """The HTTP front of a started HandlerConnection; the handler's health probe runs while the app does."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[count_requests, anthropic.anthropic_errors,
                                                                              openai_errors])
     app[CONNECTION] = connection
-    app[SETTINGS] = {"api_key": api_key, "chunk_timeout": chunk_timeout, "idle_timeout": idle_timeout,
-                     "open_metrics": open_metrics, "started": int(time.time())}
-    app[HEALTH] = health_state = HandlerHealth(connection, health_timeout)
+    app[SETTINGS] = settings
+    app[STARTED] = int(time.time())
+    app[HEALTH] = health_state = HandlerHealth(connection, settings.health_timeout)
     app[METRICS] = ServingMetrics(lambda: health_state.stats, lambda: health_state.problem() is None)
     app.cleanup_ctx.append(watch_handler)
     app.router.add_get("/", health)
@@ -566,7 +534,7 @@ async def watch_handler(app: web.Application):
     task.cancel()
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, settings: FrontSettings) -> int:
     """Run until SIGINT/SIGTERM or the handler's exit; returns the process exit code.
 
     On a signal, as the production daemon does: stop accepting connections, drop the write half of the handler's
@@ -585,11 +553,9 @@ async def serve(args: argparse.Namespace) -> int:
         error(f"cannot start the handler {args.handler!r}: {exc}")
         sock.close()
         return 1
-    app = make_app(connection, args.api_key or os.environ.get("HFENDPOINT_API_KEY") or None,
-                   args.chunk_timeout, args.health_timeout, args.idle_timeout,
-                   args.open_metrics or env_flag("HFENDPOINT_OPEN_METRICS"))
+    app = make_app(connection, settings)
     # keepalive_timeout closes a connection idle between requests, or one that never completes a request's head
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=args.idle_timeout)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=settings.idle_timeout)
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()
@@ -612,14 +578,6 @@ async def serve(args: argparse.Namespace) -> int:
     if code:
         error(f"the handler exited with code {code}")
     return 0 if by_signal or code == 0 else 1
-
-
-def env_flag(name: str) -> bool:
-    """A true/false environment variable (unset: false); another value is refused at start, naming it."""
-    raw = os.environ.get(name, "false").strip().lower()
-    if raw not in TRUE_WORDS + FALSE_WORDS:
-        raise SystemExit(f"{name}={raw!r} is invalid: expected true or false")
-    return raw in TRUE_WORDS
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -656,6 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
     log.setLevel(logging.INFO)
-    sys.exit(asyncio.run(serve(args)))
+    settings = FrontSettings.from_args(args)
+    sys.exit(asyncio.run(serve(args, settings)))
 
 

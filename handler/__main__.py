@@ -77,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from handler.model_source import ModelNotFound, resolve_model
     from handler.settings import HandlerSettings
     try:
-        settings = HandlerSettings.from_env()
-        model = resolve_model()
-        config = EngineConfig.from_env(model.path)
+        settings = HandlerSettings.from_env(os.environ)
+        model = resolve_model(os.environ)
+        config = EngineConfig.from_env(model.path, os.environ)
     except (ModelNotFound, ValueError) as exc:
         log.error(str(exc))  # the one line of a start that cannot begin
         return 2
     startup_log.note("imports done")
-    name = os.environ.get("HFENDPOINT_MODEL_NAME") or model.name
+    name = settings.model_name or model.name
     loaded = load(name, model.path, config)
     if loaded is None:
         return 1

@@ -1,7 +1,8 @@
 """An OpenAI chat completion request -> prompt token ids, sampling parameters and stop strings.
 
-Every problem raises RequestError with a message naming the field (and `param`, for OpenAI's error
-object); the protocol layer sends it back as the request's error reply, status 400. Defaults follow vLLM's
+The request's types and ranges are schema/chat.py's; here, what needs the model or the operator's caps. Every
+problem raises RequestError with a message naming the field (and `param`, for OpenAI's error object); the
+protocol layer sends it back as the request's error reply, status 400. Defaults follow vLLM's
 OpenAI server: sampling fields the request leaves out come from the model's generation_config.json, then from
 SamplingParams; max_tokens defaults to the rest of the context.
 """
@@ -14,9 +15,14 @@ from transformers import PreTrainedTokenizerBase
 
 from daemon_protocol import RequestError
 from engine import SamplingParams
-from handler.images import is_image_part
+from handler.grammar import Grammars
+from handler.images import IMAGE_PART_TYPE, VisionPrompt
 from handler.limits import RequestLimits, nesting_depth_over
+from handler.output_plan import OutputPlan, plan_output, with_prompt
+from handler.tools import prepare_tool_turns
 from models.model_files import read_generation_config
+from schema import ChatCompletionRequest, Message, decode, type_name
+from schema.chat import ContentPart, Sampling
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # generation_config.json key -> request field it supplies the default for
@@ -28,21 +34,9 @@ GENERATION_CONFIG_DEFAULTS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
-# request fields that map one to one onto SamplingParams
+# request fields that map one to one onto SamplingParams (their types and ranges: schema/chat.py)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos")
-# The type of each request field that is read here or only passed along; checked before any value is used,
-# so that a wrong type is a 400 naming the field and the expected type. Ranges are SamplingParams' to check.
-FIELD_TYPES = {
-    "temperature": "number", "top_p": "number", "min_p": "number", "presence_penalty": "number",
-    "frequency_penalty": "number", "repetition_penalty": "number",
-    "top_k": "integer", "seed": "integer", "max_tokens": "integer", "max_completion_tokens": "integer",
-    "n": "integer",
-    "ignore_eos": "boolean", "add_generation_prompt": "boolean", "stream": "boolean", "store": "boolean",
-    "model": "string", "user": "string", "service_tier": "string",
-    "stream_options": "map", "chat_template_kwargs": "map", "metadata": "map",
-}
-ROLES = ("system", "user", "assistant", "tool", "developer")
 TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for system messages, which templates know
 TRUST_TEMPLATES_VARIABLE = "HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE"
 # Normalizers by how many characters of text at most become one normalized character: composition (NFC, NFKC)
@@ -63,10 +57,10 @@ class ChatModel:
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict
     vocab_size: int | None = None  # the LM head's rows (default: the tokenizer's size)
-    grammars: object = None  # handler.grammar.Grammars; None: no grammar-constrained output
+    grammars: Grammars | None = None  # None: no grammar-constrained output
     max_chars_per_token: int | None = None  # from max_chars_per_token(tokenizer); None: no bound before tokenizing
     trust_request_chat_template: bool = False  # HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE
-    vision: object = None  # handler.images.VisionPrompt of a model that reads images; None: image parts refused
+    vision: VisionPrompt | None = None  # of a model that reads images; None: image parts refused
     limits: RequestLimits = field(default_factory=RequestLimits)  # HFENDPOINT_MAX_...
 
 
@@ -75,24 +69,20 @@ class ChatRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
-    output: object = None  # handler.output_plan.OutputPlan: choices, grammar, tool calls, reasoning
+    output: OutputPlan | None = None  # choices, grammar, tool calls, reasoning
     images: tuple = ()  # engine.images.PromptImage of each image part, in prompt order
 
 
 def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> ChatRequest:
     """image_sources: the request's image parts, gathered (handler/images.py's ImageFetcher); decoded and
     preprocessed here, on the encoding thread."""
-    if not isinstance(data, dict):
-        raise RequestError(f"request data must be a map, got {type_name(data)}")
-    check_nesting(data, model.limits)
-    check_field_types(data)
-    from handler.output_plan import plan_output, with_prompt  # here: those modules import this one's helpers
-    from handler.tools import prepare_tool_turns
-    messages = prepare_tool_turns(parse_messages(data.get("messages"), model.vision is not None))
+    request = decode_request(data, ChatCompletionRequest, model.limits)
+    messages = template_messages(data["messages"], request.messages, model.vision is not None)
+    messages = prepare_tool_turns(messages, request.messages)
     check_nesting(messages, model.limits, "messages")  # tool-call arguments, parsed from their JSON strings
-    output = plan_output(data, model)
-    stop = parse_stop(data.get("stop"), model.limits)
-    prompt = render_prompt(model.tokenizer, messages, data, output.tools.template_tools,
+    output = plan_output(request, data.get("tools"), model)
+    stop = check_stop(request.stop_strings(), model.limits)
+    prompt = render_prompt(model.tokenizer, messages, request, output.tools.template_tools,
                            model.trust_request_chat_template)
     images = ()
     if image_sources:
@@ -102,121 +92,79 @@ def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> Chat
     check_rendered_size(len(prompt), model.limits)
     prompt_token_ids = encode_prompt(model.tokenizer, prompt)
     check_prompt_length(len(prompt_token_ids), model.max_model_len)
-    fields = {**model.sampling_defaults, **{k: v for k, v in data.items() if v is not None}}
-    max_tokens = parse_max_tokens(data, fields, len(prompt_token_ids), model.max_model_len)
-    params = sampling_params(fields, {**output.sampling, "max_tokens": max_tokens}, model)
+    max_tokens = checked_max_tokens(request, model.sampling_defaults, len(prompt_token_ids), model.max_model_len)
+    params = sampling_params(request, model, {**output.sampling, "max_tokens": max_tokens})
     return ChatRequest(prompt_token_ids, params, stop, with_prompt(output, model.tokenizer.chat_template, prompt),
                        images)
 
 
-def sampling_params(fields: dict, settings: dict, model: ChatModel) -> SamplingParams:
+def decode_request(data, kind: type, limits: RequestLimits):
+    """The request's map as `kind` (schema/), after its nesting is checked: nothing walks it recursively first."""
+    check_nesting(data, limits)
+    return decode(data, kind)
+
+
+def sampling_params(request: Sampling, model: ChatModel, settings: dict,
+                    defaults: dict | None = None) -> SamplingParams:
     """SamplingParams from the request's sampling fields (SAMPLING_FIELDS, over the model's defaults) and the
-    settings the request's other fields make (max_tokens, logprobs, ...)."""
-    sampling = {name: fields[name] for name in SAMPLING_FIELDS if name in fields}
-    ignore_eos = sampling.get("ignore_eos") is True
-    try:  # SamplingParams checks the types and ranges and names the field
-        return SamplingParams(**sampling, **settings, stop_token_ids=() if ignore_eos else model.eos_token_ids)
-    except ValueError as exc:  # its messages start with the field's name
-        at_fault = next((name for name in (*sampling, *settings) if str(exc).startswith(f"{name} ")), None)
-        raise RequestError(str(exc), param=at_fault) from exc
+    settings the request's other fields make (max_tokens, logprobs, ...). The schema has checked every value."""
+    defaults = model.sampling_defaults if defaults is None else defaults
+    sampling = {name: defaults[name] for name in SAMPLING_FIELDS if name in defaults}
+    sampling.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
+    return SamplingParams(**sampling, **settings, stop_token_ids=() if request.ignore_eos else model.eos_token_ids)
 
 
 def check_nesting(value, limits: RequestLimits, where: str | None = None) -> None:
     """Lists and maps nested deeper than the operator allows are refused before anything walks them
-    recursively (the template's tojson, the grammar compiler, a JSON encoder)."""
+    recursively (the schema's decoding, the template's tojson, the grammar compiler, a JSON encoder)."""
     if not nesting_depth_over(value, limits.max_nesting_depth):
         return
-    if where is None:  # name the top-level field that nests too deeply
+    if where is None and isinstance(value, dict):  # name the top-level field that nests too deeply
         where = next((name for name, item in value.items() if nesting_depth_over(item, limits.max_nesting_depth - 1)),
                      None)
     raise RequestError(f"{where or 'the request'} nests lists and maps more than {limits.max_nesting_depth} levels "
                        "deep (HFENDPOINT_MAX_NESTING_DEPTH); flatten it", param=where)
 
 
-def check_field_types(data: dict) -> None:
-    for name, kind in FIELD_TYPES.items():
-        value = data.get(name)
-        if value is not None and not is_a(value, kind):
-            raise RequestError(f"{name} must be {'an' if kind == 'integer' else 'a'} {kind}, got {value!r}",
-                               param=name)
-        if kind == "number" and value is not None and not math.isfinite(value):
-            raise RequestError(f"{name} must be a finite number, got {value!r}", param=name)
+def template_messages(sent: list[dict], messages: list[Message], reads_images: bool = False) -> list[dict]:
+    """Copies of the messages as sent (their other keys pass to the template), with a known role (developer
+    becomes system) and string content (with image parts, when the model reads images, the list of text and
+    {"type": "image"} parts multimodal templates read)."""
+    return [{**message, "role": TEMPLATE_ROLES.get(typed.speaker, typed.speaker),
+             "content": template_content(typed.content, f"messages[{i}].content", reads_images)}
+            for i, (message, typed) in enumerate(zip(sent, messages))]
 
 
-def is_a(value, kind: str) -> bool:
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, {"boolean": bool, "string": str, "map": dict}[kind])
-
-
-def parse_messages(messages, reads_images: bool = False) -> list[dict]:
-    if messages is None:
-        raise RequestError("messages is required", param="messages")
-    if not isinstance(messages, list):
-        raise RequestError(f"messages must be a list of messages, got {type_name(messages)}", param="messages")
-    if not messages:
-        raise RequestError("messages must not be empty", param="messages")
-    return [parse_message(message, f"messages[{i}]", reads_images) for i, message in enumerate(messages)]
-
-
-def parse_message(message, where: str, reads_images: bool = False) -> dict:
-    """A copy with a known role (default "user"; developer becomes system) and string content (with image parts,
-    when the model reads images, the list of text and {"type": "image"} parts multimodal templates read); other
-    keys pass to the template."""
-    if not isinstance(message, dict):
-        raise RequestError(f"{where} must be a map with role and content, got {type_name(message)}", param="messages")
-    role = message.get("role")
-    if role is None:  # absent or null: the user speaks
-        role = "user"
-    if not isinstance(role, str):
-        raise RequestError(f"{where}.role must be a string, got {type_name(role)}", param="messages")
-    if role not in ROLES:
-        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
-    if message.get("name") is not None and not isinstance(message["name"], str):
-        raise RequestError(f"{where}.name must be a string, got {type_name(message['name'])}", param="messages")
-    content = message.get("content")
-    if reads_images and isinstance(content, list) and any(map(is_image_part, content)):
-        parts = [{"type": "image"} if is_image_part(part) else
-                 {"type": "text", "text": part_text(part, f"{where}.content[{i}]")} for i, part in enumerate(content)]
-        return {**message, "role": TEMPLATE_ROLES.get(role, role), "content": parts}
-    return {**message, "role": TEMPLATE_ROLES.get(role, role),
-            "content": message_text(content, f"{where}.content")}
-
-
-def message_text(content, where: str) -> str:
+def template_content(content: str | list[ContentPart] | None, where: str, reads_images: bool) -> str | list[dict]:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts, got {type_name(content)}",
-                           param="messages")
+    if reads_images and any(part.type == IMAGE_PART_TYPE for part in content):
+        return [{"type": "image"} if part.type == IMAGE_PART_TYPE else
+                {"type": "text", "text": part_text(part, f"{where}[{i}]")} for i, part in enumerate(content)]
     return "\n".join(part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
 
 
-def part_text(part, where: str) -> str:
-    if is_image_part(part):
+def part_text(part: ContentPart, where: str) -> str:
+    if part.type == IMAGE_PART_TYPE:
         raise RequestError(f"{where}: this model does not read images (image_url parts)", param="messages")
-    if not isinstance(part, dict) or part.get("type", "text") not in TEXT_PART_TYPES:
-        kind = part.get("type") if isinstance(part, dict) else type_name(part)
-        raise RequestError(f"{where}: only text parts are supported, got {kind}", param="messages")
-    if not isinstance(part.get("text"), str):
+    if part.type not in TEXT_PART_TYPES:
+        raise RequestError(f"{where}: only text parts are supported, got {part.type}", param="messages")
+    if part.text is None:
         raise RequestError(f"{where}.text must be a string", param="messages")
-    return part["text"]
+    return part.text
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: dict,
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict], request: ChatCompletionRequest,
                   tools: list[dict] | None = None, trust_templates: bool = False) -> str:
-    kwargs = data.get("chat_template_kwargs") or {}
-    kwargs = {**kwargs, **request_template(data, kwargs, trust_templates)}
-    add_generation_prompt = data.get("add_generation_prompt") is not False
+    kwargs = request.chat_template_kwargs or {}
+    kwargs = {**kwargs, **request_template(request.chat_template, kwargs, trust_templates)}
     if tokenizer.chat_template is None:
         raise RequestError("the model has no chat template, so it cannot serve chat completions")
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=request.add_generation_prompt, **kwargs
         )
     except Exception as exc:  # a template raises whatever its author chose: all of them are the request's fault
         raise RequestError(f"messages: the chat template rejected them: {exc}", param="messages") from exc
@@ -234,11 +182,11 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_t
     return backend.encode_batch_fast([prompt], add_special_tokens=add_special_tokens)[0].ids
 
 
-def request_template(data: dict, kwargs: dict, trusted: bool) -> dict:
+def request_template(chat_template: str | None, kwargs: dict, trusted: bool) -> dict:
     """A template sent with the request ({"chat_template": ...} as apply_chat_template takes it, or {}). A template
     is a program: one loop in it holds an encoding thread for as long as it likes, so the request's own templates
     are refused unless the operator trusts its clients (as vLLM does)."""
-    sent = {name: value for name, value in (("chat_template", data.get("chat_template")),
+    sent = {name: value for name, value in (("chat_template", chat_template),
                                             ("chat_template_kwargs.chat_template", kwargs.get("chat_template")))
             if value is not None}
     for name, value in sent.items():
@@ -314,52 +262,36 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
             param="messages", code="context_length_exceeded")
 
 
-def parse_max_tokens(data: dict, fields: dict, num_prompt_tokens: int, max_model_len: int) -> int:
+def checked_max_tokens(request: Sampling, defaults: dict, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_completion_tokens or max_tokens, which must fit the context; else the default (defaults'
+    max_tokens) cut to the room left, or all of it."""
     room = max_model_len - num_prompt_tokens
     for name in ("max_completion_tokens", "max_tokens"):
-        if data.get(name) is not None:
-            requested = data[name]  # an integer: check_field_types
-            if requested < 1:
-                raise RequestError(f"{name} must be at least 1, got {requested}", param=name)
+        requested = getattr(request, name, None)
+        if requested is not None:
             if requested > room:
                 raise RequestError(
                     f"{name}: this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} "
                     f"prompt tokens plus {requested} completion tokens is {num_prompt_tokens + requested}; "
                     f"reduce {name} or the messages", param=name, code="context_length_exceeded")
             return requested
-    default = fields.get("max_tokens")
+    default = defaults.get("max_tokens")
     return min(room, default) if isinstance(default, int) and default >= 1 else room
 
 
-def parse_stop(stop, limits: RequestLimits) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r:.100}",
-                           param="stop")
+def check_stop(stops: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
+    """The stop strings (their types checked by the schema), within the operator's caps."""
     if len(stops) > limits.max_stop_strings:
         raise RequestError(f"stop: at most {limits.max_stop_strings} stop strings (HFENDPOINT_MAX_STOP_STRINGS), "
                            f"got {len(stops)}", param="stop")
-    longest = max(map(len, stops))
+    longest = max(map(len, stops), default=0)
     if longest > limits.max_stop_chars:
         raise RequestError(f"stop: a stop string is at most {limits.max_stop_chars} characters "
                            f"(HFENDPOINT_MAX_STOP_CHARS), got one of {longest}", param="stop")
-    return tuple(stops)
+    return stops
 
 
 def sampling_defaults(model_dir: str) -> dict:
     """Sampling defaults from the model's generation_config.json."""
     config = read_generation_config(model_dir)
     return {name: config[key] for key, name in GENERATION_CONFIG_DEFAULTS.items() if config.get(key) is not None}
-
-
-def integer(fields: dict, name: str) -> int:
-    value = fields[name]
-    if not is_a(value, "integer"):
-        raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
-    return value
-
-
-def type_name(value) -> str:
-    return "nil" if value is None else type(value).__name__

@@ -14,24 +14,20 @@ from daemon_protocol import RequestError
 from handler.chat import (
     ChatModel,
     ChatRequest,
-    check_field_types,
-    check_nesting,
+    check_stop,
+    checked_max_tokens,
+    decode_request,
     encode_prompt,
-    integer,
-    parse_max_tokens,
-    parse_stop,
     sampling_params,
-    type_name,
 )
 from handler.choices import usage
 from handler.logprobs import LogprobEntries
 from handler.logs import RequestLog
-from handler.output_plan import OutputPlan, check_stream_options, parse_logit_bias, parse_n
+from handler.output_plan import OutputPlan, check_n, check_stream_options, parse_logit_bias
+from schema import CompletionRequest as CompletionFields
+from schema.completions import DEFAULT_MAX_TOKENS
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
-MAX_LOGPROBS = 5  # OpenAI's legacy limit
 MAX_PROMPTS = 256  # each prompt's choices are engine requests of their own
-COMPLETION_FIELD_TYPES = {"echo": "boolean", "add_special_tokens": "boolean"}
 
 
 @dataclass(frozen=True)
@@ -44,74 +40,52 @@ class CompletionRequest:
 
 def parse_completion_request(data, model: ChatModel) -> CompletionRequest:
     """Every problem is a RequestError naming the field."""
-    if not isinstance(data, dict):
-        raise RequestError(f"request data must be a map, got {type_name(data)}")
-    check_nesting(data, model.limits)
-    check_field_types(data)
-    for name, kind in COMPLETION_FIELD_TYPES.items():
-        if data.get(name) is not None and not isinstance(data[name], bool):
-            raise RequestError(f"{name} must be a {kind}, got {data[name]!r:.100}", param=name)
-    check_unsupported(data)
-    check_stream_options(data)
-    n = parse_n(data, model.limits.max_n)
-    logprobs = parse_legacy_logprobs(data)
-    echo = data.get("echo") is True
-    plan = OutputPlan(n=n, logprobs=logprobs, logit_bias=parse_logit_bias(data, model))
-    add_special_tokens = data.get("add_special_tokens") is not False
-    sent = parse_prompts(data.get("prompt"))
-    prompts = [encode_prompt(model.tokenizer, prompt, add_special_tokens) if token_ids is None else token_ids
+    request = decode_request(data, CompletionFields, model.limits)
+    check_unsupported(request)
+    check_stream_options(request)
+    n = check_n(request, model.limits.max_n)
+    plan = OutputPlan(n=n, logprobs=request.logprobs, logit_bias=parse_logit_bias(request, model))
+    sent = parse_prompts(request.prompt)
+    prompts = [encode_prompt(model.tokenizer, prompt, request.add_special_tokens) if token_ids is None else token_ids
                for prompt, token_ids in sent]
     texts = [prompt if token_ids is None else model.tokenizer.decode(token_ids) for prompt, token_ids in sent] \
-        if echo else None
-    fields = {**model.sampling_defaults, "max_tokens": DEFAULT_MAX_TOKENS,
-              **{k: v for k, v in data.items() if v is not None}}
-    stop = parse_stop(data.get("stop"), model.limits)
+        if request.echo else None
+    defaults = {**model.sampling_defaults, "max_tokens": DEFAULT_MAX_TOKENS}
+    stop = check_stop(request.stop_strings(), model.limits)
     requests = []
     for i, token_ids in enumerate(prompts):
         check_prompt(token_ids, i, model)
-        max_tokens = parse_max_tokens(data, fields, len(token_ids), model.max_model_len)
-        params = sampling_params(fields, {**plan.sampling, "max_tokens": max_tokens,
-                                          "prompt_logprobs": logprobs if echo else None}, model)
+        max_tokens = checked_max_tokens(request, defaults, len(token_ids), model.max_model_len)
+        params = sampling_params(request, model, {**plan.sampling, "max_tokens": max_tokens,
+                                                  "prompt_logprobs": request.logprobs if request.echo else None},
+                                 defaults)
         requests.append(ChatRequest(token_ids, params, stop, plan))
-    return CompletionRequest(requests, texts, echo, n)
+    return CompletionRequest(requests, texts, request.echo, n)
 
 
-def check_unsupported(data: dict) -> None:
-    if data.get("suffix") is not None:
+def check_unsupported(request: CompletionFields) -> None:
+    if request.suffix is not None:
         raise RequestError("suffix is not supported: insertion (fill-in-the-middle) needs a model trained for it; "
                            "send the text before the gap as the prompt", param="suffix")
-    best_of = data.get("best_of")
-    if best_of is not None and best_of != (data.get("n") or 1):
-        raise RequestError(f"best_of is not supported (it may only equal n): got {best_of!r:.100}; ask for n "
+    if request.best_of is not None and request.best_of != request.n:
+        raise RequestError(f"best_of is not supported (it may only equal n): got {request.best_of!r:.100}; ask for n "
                            "choices with logprobs and rank them yourself", param="best_of")
     for name in ("messages", "tools", "response_format"):
-        if data.get(name) is not None:
+        if getattr(request, name) is not None:
             raise RequestError(f"{name} is a chat completions field: send it to /v1/chat/completions", param=name)
 
 
-def parse_legacy_logprobs(data: dict) -> int | None:
-    """The legacy `logprobs`: how many alternatives per token (0: the token's own logprob only), or None."""
-    if data.get("logprobs") is None:
-        return None
-    logprobs = integer(data, "logprobs")
-    if not 0 <= logprobs <= MAX_LOGPROBS:
-        raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
-    return logprobs
-
-
-def parse_prompts(prompt) -> list[tuple[str | list[int], list[int] | None]]:
+def parse_prompts(prompt: str | list) -> list[tuple[str | list[int], list[int] | None]]:
     """Each prompt as (what was sent, its token ids when sent as ids): a string, a list of strings, a list of
     token ids, or a list of lists of token ids."""
     def is_token(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    if prompt is None:
-        raise RequestError("prompt is required", param="prompt")
     if isinstance(prompt, str):
         return [(prompt, None)]
-    if not isinstance(prompt, list) or not prompt:
-        raise RequestError(f"prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-                           f"token ids, got {type_name(prompt) if prompt != [] else 'an empty list'}", param="prompt")
+    if not prompt:
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                           "token ids, got an empty list", param="prompt")
     if all(is_token(token) for token in prompt):
         return [(prompt, prompt)]
     if len(prompt) > MAX_PROMPTS:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import xgrammar
 
-from handler.chat import RequestError
+from daemon_protocol import RequestError
 from handler.grammar_compiler import CompileRefused, CompileTimeout, GrammarCompilerPool
 from handler.limits import RequestLimits
 

@@ -10,16 +10,14 @@ from dataclasses import dataclass, field, replace
 
 import xgrammar
 
-from handler.chat import RequestError, integer, type_name
+from daemon_protocol import RequestError
 from handler.reasoning import starts_in_reasoning, uses_think_tags
 from handler.tool_calls import tool_call_format
 from handler.tools import ToolPlan, parse_tools
+from schema.chat import ChatCompletionRequest, ResponseFormat, Sampling
 
-MAX_LOGIT_BIAS = 100  # the largest bias, as OpenAI takes
 MAX_TOKEN_ID_DIGITS = 10  # a token id fits 32 bits
 JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": True}
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-STREAM_OPTIONS = ("include_usage",)
 
 
 @dataclass(frozen=True)
@@ -39,19 +37,21 @@ class OutputPlan:
         return {"logprobs": self.logprobs, "logit_bias": self.logit_bias}
 
 
-def plan_output(data: dict, model) -> OutputPlan:
-    """Everything but reasoning, which needs the rendered prompt (with_prompt)."""
+def plan_output(request: ChatCompletionRequest, sent_tools: list[dict] | None, model) -> OutputPlan:
+    """Everything but reasoning, which needs the rendered prompt (with_prompt). sent_tools: the request's tools
+    as sent, for the template. model: handler/chat.py's ChatModel."""
     for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-        if data.get(legacy) is not None:
+        if getattr(request, legacy) is not None:
             raise RequestError(f"{legacy} is OpenAI's deprecated form of {current}, which this endpoint takes instead",
                                param=legacy)
-    check_stream_options(data)
-    check_count(data, "tools", model.limits.max_tools, "HFENDPOINT_MAX_TOOLS")
-    tools = parse_tools(data, tool_call_format(model.tokenizer.chat_template))
-    schema, where = response_schema(data.get("response_format")), "response_format"
+    check_stream_options(request)
+    limits = model.limits
+    check_count(request.tools, "tools", limits.max_tools, "HFENDPOINT_MAX_TOOLS")
+    tools = parse_tools(request, sent_tools, tool_call_format(model.tokenizer.chat_template))
+    schema, where = response_schema(request.response_format), "response_format"
     if tools.schema is not None:
         if schema is not None:
-            raise RequestError(f"response_format and tool_choice {data.get('tool_choice')!r} both constrain the reply: "
+            raise RequestError(f"response_format and tool_choice {request.tool_choice!r} both constrain the reply: "
                                "give one of them", param="response_format")
         schema, where = tools.schema, "tools"
     elif schema is not None and tools.style is not None:
@@ -62,10 +62,9 @@ def plan_output(data: dict, model) -> OutputPlan:
         if model.grammars is None or not model.grammars.can_constrain:
             raise RequestError(f"{where}: this model cannot constrain its output (it has no end-of-sequence token "
                                "to end a constrained reply with)", param=where)
-        schema_text = schema_json(schema, where, model.limits.max_schema_bytes)
-    limits = model.limits
-    return OutputPlan(n=parse_n(data, limits.max_n), logprobs=parse_logprobs(data, limits.max_top_logprobs),
-                      logit_bias=parse_logit_bias(data, model), schema=schema_text,
+        schema_text = schema_json(schema, where, limits.max_schema_bytes)
+    return OutputPlan(n=check_n(request, limits.max_n), logprobs=parse_logprobs(request, limits.max_top_logprobs),
+                      logit_bias=parse_logit_bias(request, model), schema=schema_text,
                       schema_field=where if schema is not None else None, tools=tools)
 
 
@@ -78,10 +77,9 @@ def schema_json(schema: dict, where: str, max_bytes: int) -> str:
     return text
 
 
-def check_count(data: dict, name: str, limit: int, variable: str) -> None:
+def check_count(value: list | dict | None, name: str, limit: int, variable: str) -> None:
     """A list or map field with more entries than the operator allows is refused, naming the field."""
-    value = data.get(name)
-    if isinstance(value, (list, dict)) and len(value) > limit:
+    if value is not None and len(value) > limit:
         raise RequestError(f"{name}: at most {limit} entries ({variable}), got {len(value)}", param=name)
 
 
@@ -92,47 +90,37 @@ def with_prompt(plan: OutputPlan, chat_template: str | None, prompt: str) -> Out
     return replace(plan, reasoning=starts_in_reasoning(prompt))
 
 
-def parse_n(data: dict, max_n: int) -> int:
-    if data.get("n") is None:
-        return 1
-    n = integer(data, "n")
-    if not 1 <= n <= max_n:
-        raise RequestError(f"n must be between 1 and {max_n} (HFENDPOINT_MAX_N), got {n}", param="n")
-    return n
+def check_n(request: Sampling, max_n: int) -> int:
+    if request.n > max_n:
+        raise RequestError(f"n must be between 1 and {max_n} (HFENDPOINT_MAX_N), got {request.n}", param="n")
+    return request.n
 
 
-def parse_logprobs(data: dict, max_top: int) -> int | None:
-    wanted = data.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise RequestError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
-    if data.get("top_logprobs") is None:
-        return 0 if wanted else None
-    top = integer(data, "top_logprobs")
-    if not 0 <= top <= max_top:
+def parse_logprobs(request: ChatCompletionRequest, max_top: int) -> int | None:
+    top = request.top_logprobs
+    if top is None:
+        return 0 if request.logprobs else None
+    if top > max_top:
         raise RequestError(f"top_logprobs must be between 0 and {max_top} (HFENDPOINT_MAX_TOP_LOGPROBS), got {top}",
                            param="top_logprobs")
-    if not wanted:
+    if not request.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     return top
 
 
-def parse_logit_bias(data: dict, model) -> dict[int, float] | None:
-    biases = data.get("logit_bias")
+def parse_logit_bias(request: Sampling, model) -> dict[int, float] | None:
+    """The biases by token id (their values checked by the schema); a key that is no token id of the model is
+    refused. model: handler/chat.py's ChatModel."""
+    biases = request.logit_bias
     if biases is None:
         return None
-    if not isinstance(biases, dict):
-        raise RequestError(f"logit_bias must be a map from token id to bias, got {type_name(biases)}",
-                           param="logit_bias")
-    check_count(data, "logit_bias", model.limits.max_logit_bias_entries, "HFENDPOINT_MAX_LOGIT_BIAS_ENTRIES")
+    check_count(biases, "logit_bias", model.limits.max_logit_bias_entries, "HFENDPOINT_MAX_LOGIT_BIAS_ENTRIES")
     parsed, vocab_size = {}, model.vocab_size or len(model.tokenizer)
     for key, bias in biases.items():
         token = key if isinstance(key, int) and not isinstance(key, bool) else _token_id(key)
         if token is None or not 0 <= token < vocab_size:
             raise RequestError(f"logit_bias: {key!r:.100} is not a token id of this model (0 to {vocab_size - 1})",
                                param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
-            raise RequestError(f"logit_bias[{key!r:.100}] must be a number from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}, "
-                               f"got {bias!r}", param="logit_bias")
         parsed[token] = float(bias)
     return parsed or None
 
@@ -143,44 +131,19 @@ def _token_id(key) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= MAX_TOKEN_ID_DIGITS else None
 
 
-def response_schema(response_format) -> dict | None:
+def response_schema(response_format: ResponseFormat | None) -> dict | None:
     """The JSON schema a response_format asks the reply to follow; None for plain text. `strict` is accepted
     either way: the schema is always enforced."""
-    if response_format is None:
+    if response_format is None or response_format.type == "text":
         return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind not in RESPONSE_FORMATS:
-        raise RequestError(f"response_format must be a map whose type is one of {', '.join(RESPONSE_FORMATS)}, "
-                           f"got {response_format!r:.200}", param="response_format")
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if response_format.type == "json_object":
         return JSON_OBJECT_SCHEMA
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
+    if response_format.json_schema is None:
         raise RequestError('response_format.json_schema must be a map: {"name": ..., "schema": {...}}',
                            param="response_format")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise RequestError(f"response_format.json_schema.schema must be a JSON schema object, got {type_name(schema)}",
-                           param="response_format")
-    for key, kind in (("name", str), ("description", str), ("strict", bool)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise RequestError(f"response_format.json_schema.{key} must be a {kind.__name__}", param="response_format")
-    return schema
+    return response_format.json_schema.schema_
 
 
-def check_stream_options(data: dict) -> None:
-    options = data.get("stream_options")
-    if options is None:
-        return
-    if not data.get("stream"):
+def check_stream_options(request: Sampling) -> None:
+    if request.stream_options is not None and not request.stream:
         raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
-    if not isinstance(options, dict):
-        raise RequestError(f"stream_options must be a map, got {type_name(options)}", param="stream_options")
-    for key, value in options.items():
-        if key not in STREAM_OPTIONS:
-            raise RequestError(f"stream_options.{key} is not supported (only {', '.join(STREAM_OPTIONS)})",
-                               param="stream_options")
-        if value is not None and not isinstance(value, bool):
-            raise RequestError(f"stream_options.{key} must be a boolean, got {value!r}", param="stream_options")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from daemon_protocol import RequestError
-from handler.chat import type_name
+from schema import ScoreRequest as ScoreFields, decode
 
 MAX_PAIRS = 1024
 
@@ -26,11 +26,10 @@ class ScoreRequest:
 
 
 def parse_score_request(data) -> ScoreRequest:
-    """text_1 and text_2: strings or lists of strings; one text_1 goes with each text_2, else they pair up in
-    order (vLLM's rule)."""
-    if not isinstance(data, dict):
-        raise RequestError(f"request data must be a map, got {type_name(data)}")
-    firsts, seconds = texts(data, "text_1"), texts(data, "text_2")
+    """text_1 and text_2: strings or lists of strings (schema/scoring.py); one text_1 goes with each text_2, else
+    they pair up in order (vLLM's rule)."""
+    request = decode(data, ScoreFields)
+    firsts, seconds = texts(request.text_1), texts(request.text_2)
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
@@ -38,21 +37,11 @@ def parse_score_request(data) -> ScoreRequest:
                            "as text_2", param="text_1")
     if len(seconds) > MAX_PAIRS:
         raise RequestError(f"text_2: at most {MAX_PAIRS} pairs in one request, got {len(seconds)}", param="text_2")
-    flags = {}
-    for name in ("raw_scores", "truncate"):
-        value = data.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise RequestError(f"{name} must be a boolean, got {value!r:.100}", param=name)
-        flags[name] = value is True
-    return ScoreRequest(firsts, seconds, **flags)
+    return ScoreRequest(firsts, seconds, request.raw_scores, request.truncate)
 
 
-def texts(data: dict, name: str) -> list[str]:
-    value = data.get(name)
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(item, str) for item in items):
-        raise RequestError(f"{name} must be a string or a non-empty list of strings, got {value!r:.100}", param=name)
-    return items
+def texts(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else value
 
 
 def pair_token_ids(tokenizer, request: ScoreRequest, limit: int) -> list[list[int]]:

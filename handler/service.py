@@ -20,10 +20,10 @@ import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from daemon_protocol import RequestError
-from engine import Worker
+from daemon_protocol import ReplyError, RequestError
+from engine import PromptRejected, Worker
 from engine.embedding import check_inputs
-from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults, type_name
+from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
@@ -33,6 +33,8 @@ from handler.memory import resident_bytes
 from handler.scoring import pair_token_ids, parse_score_request, scores
 from handler.settings import HandlerSettings
 from handler.tokenizer import embedding_token_ids
+from schema import decode
+from schema.embeddings import EmbeddingsRequest, TokenizeRequest
 
 ENCODER_THREADS = 4  # requests encoded at once
 ENCODER_START_TIMEOUT_S = 60.0
@@ -40,12 +42,12 @@ FALLBACK_CHARS_PER_TOKEN = 64  # for tokenizers that give no bound (handler/chat
 TRUNCATION_MARGIN = 2  # a truncated text's end tokenized: this many times what its kept tokens can span
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(ReplyError):
     """The engine takes no more requests (a tensor-parallel rank died, or it shut down): 503, and the
     handler exits for the daemon to restart it."""
 
-    status = 503
-    code = "engine_unavailable"
+    def __init__(self, message: str):
+        super().__init__(message, 503, code="engine_unavailable")
 
 
 class Service:
@@ -100,7 +102,7 @@ class Service:
     async def chat_completions(self, data):
         """Streams reply chunks (docs/chat-extensions.md); the last one has a finish_reason and usage."""
         request_id = f"chat-{next(self._request_ids)}"
-        with logged_request(request_id, "chat_completions") as log, self.engine_errors():
+        with logged_request(request_id, "chat_completions") as log, self.engine_errors("messages"):
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is an embedding model: it serves embeddings, not chat")
             sources = await self.images.gather(data) if self.images is not None else ()
@@ -115,7 +117,7 @@ class Service:
         """Legacy completions (docs/completions.md): raw prompts, echo, prompt logprobs; streams reply chunks, the
         last one with finish_reason and usage."""
         request_id = f"cmpl-{next(self._request_ids)}"
-        with logged_request(request_id, "completions") as log, self.engine_errors():
+        with logged_request(request_id, "completions") as log, self.engine_errors("prompt"):
             if self.worker.kind != "decoder":
                 raise RequestError(f"{self.model_name} is not a generative model: it serves no completions")
             request = await self.encode(lambda chat_model: parse_completion_request(data, chat_model))
@@ -126,7 +128,7 @@ class Service:
 
     async def score(self, data):
         """Cross-encoder scores of text pairs (handler/scoring.py, docs/scoring.md)."""
-        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors():
+        with logged_request(f"score-{next(self._request_ids)}", "score") as log, self.engine_errors("text_2"):
             if self.worker.kind != "classifier":
                 raise RequestError(f"{self.model_name} is not a cross-encoder (a sequence-classification model): it "
                                    "scores no text pairs")
@@ -155,16 +157,9 @@ class Service:
         """Token ids of each input string; longer than the model's embedding limit is an error unless
         `truncate_prompt_tokens` asks to keep the last tokens (engine/embedding.py, docs/errors.md)."""
         with logged_request(f"tokenize-{next(self._request_ids)}", "tokenize") as log:
-            texts = field(data, "input")
-            if isinstance(texts, str):
-                texts = [texts]
-            if not isinstance(texts, list) or not texts:
-                raise RequestError(f"input must be a non-empty list of strings, got {type_name(texts)}", param="input")
-            for i, text in enumerate(texts):
-                if not isinstance(text, str) or not text:
-                    raise RequestError(f"input[{i}] must be a non-empty string, got {text!r:.100}", param="input")
-            keep_last = self.truncation(data)
-            texts = self.bounded_texts(texts, keep_last)
+            request = decode(data, TokenizeRequest)
+            keep_last = self.truncation(request.truncate_prompt_tokens)
+            texts = self.bounded_texts(request.texts(), keep_last)
             tokens = await self.encode(lambda chat_model: embedding_token_ids(chat_model.tokenizer, texts,
                                                                               keep_last))
             self.check_embedding_lengths(tokens)
@@ -174,24 +169,17 @@ class Service:
     async def embeddings(self, data):
         """Pooled vectors of token id lists; with `truncate_prompt_tokens` the reply also says how many
         tokens were embedded (`usage`), since inputs may have been cut."""
-        with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors():
+        with logged_request(f"embeddings-{next(self._request_ids)}", "embeddings") as log, self.engine_errors("input"):
             if self.worker.kind == "classifier":
                 raise RequestError(f"{self.model_name} is a cross-encoder: it scores text pairs (score, rerank), it "
                                    "does not embed")
-            token_lists = field(data, "input")
-            if not isinstance(token_lists, list) or not token_lists:
-                raise RequestError(f"input must be a non-empty list of token id lists, got {type_name(token_lists)}",
-                                   param="input")
-            for i, tokens in enumerate(token_lists):
-                check_token_list(tokens, f"input[{i}]")
-            keep_last = self.truncation(data)
+            request = decode(data, EmbeddingsRequest)
+            token_lists = request.input
+            keep_last = self.truncation(request.truncate_prompt_tokens)
             if keep_last is not None:
                 token_lists = [tokens[-keep_last:] for tokens in token_lists]
             self.check_embedding_lengths(token_lists)
-            try:  # the worker checks them too; here its refusal names the field
-                check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)
-            except ValueError as exc:
-                raise RequestError(str(exc), param="input") from None
+            check_inputs(token_lists, self.worker.vocab_size, self.worker.max_embedding_tokens)  # before the queue
             log.prompt_tokens = sum(map(len, token_lists))
             vectors = await self.worker.embed(token_lists)
             if keep_last is None:
@@ -219,15 +207,14 @@ class Service:
         """The engine's numbers and the handler's resident memory."""
         return {**self.worker.stats(), "handler_rss_bytes": resident_bytes()}
 
-    def truncation(self, data: dict) -> int | None:
+    def truncation(self, keep_last: int | None) -> int | None:
         """How many tokens to keep, from the end, of each embedding input (None: refuse longer inputs).
         vLLM's truncate_prompt_tokens: k keeps the last k tokens, -1 the model's limit; without it, the model's
         limit when the operator set HFENDPOINT_AUTO_TRUNCATE (TEI's auto-truncate)."""
-        keep_last = data.get("truncate_prompt_tokens")
         limit = self.worker.max_embedding_tokens
         if keep_last is None:
             return limit if self.auto_truncate else None
-        if type(keep_last) is not int or not (keep_last == -1 or 1 <= keep_last <= limit):
+        if not (keep_last == -1 or 1 <= keep_last <= limit):
             raise RequestError(f"truncate_prompt_tokens must be -1 (the model's limit) or an integer from 1 to "
                                f"{limit}, got {keep_last!r:.100}", param="truncate_prompt_tokens")
         return limit if keep_last == -1 else keep_last
@@ -260,13 +247,17 @@ class Service:
                     param="input", code="context_length_exceeded")
 
     @contextlib.contextmanager
-    def engine_errors(self):
-        """The engine's RuntimeError once it is lost or stopped becomes EngineUnavailable (503)."""
+    def engine_errors(self, prompt_field: str):
+        """The engine's refusal of a prompt (engine/errors.py) becomes a RequestError naming prompt_field, the
+        request field the prompt came from; its RuntimeError once it is lost or stopped becomes EngineUnavailable
+        (503). Anything else it raises is our bug (500)."""
         try:
             yield
+        except PromptRejected as exc:
+            raise RequestError(str(exc), param=prompt_field) from exc
         except RuntimeError as exc:
             reason = self.worker.unavailable
-            if reason is None or isinstance(exc, EngineUnavailable):
+            if reason is None:
                 raise
             raise EngineUnavailable(f"the engine cannot serve requests: {reason}") from exc
 
@@ -276,18 +267,3 @@ class Service:
         if self._engine_report is None or self._engine_report.get_loop() is not loop:
             self._engine_report = loop.create_task(
                 report_engine(self.handler_stats, lambda: self.replies.generated_tokens, self._engine_log_interval))
-
-
-def check_token_list(tokens, where: str) -> None:
-    if not isinstance(tokens, list) or not tokens:
-        raise RequestError(f"{where} must be a non-empty list of token ids, got {type_name(tokens)}", param="input")
-    if not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
-        raise RequestError(f"{where} must hold integer token ids only", param="input")
-
-
-def field(data, name: str):
-    if not isinstance(data, dict):
-        raise RequestError(f"request data must be a map, got {type_name(data)}")
-    if data.get(name) is None:
-        raise RequestError(f"{name} is required", param=name)
-    return data[name]

@@ -1,4 +1,5 @@
-"""The handler's own settings (the engine's are in engine/config.py), read once from the environment at start."""
+"""The handler's own settings (the engine's are in engine/config.py), read once from the environment at start and
+passed down: nothing in the handler reads the environment while serving."""
 
 import ipaddress
 import os
@@ -10,6 +11,7 @@ from handler.limits import RequestLimits
 
 @dataclass(frozen=True)
 class HandlerSettings:
+    model_name: str | None = None              # HFENDPOINT_MODEL_NAME: the served name (else MODEL_ID's, the model's)
     trust_request_chat_template: bool = False  # HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE: run templates sent by clients
     drain_timeout: float = 30.0                # HFENDPOINT_DRAIN_TIMEOUT: seconds in-flight requests get after EOF
     # Images in chat (handler/images.py)
@@ -25,7 +27,8 @@ class HandlerSettings:
     @classmethod
     def from_env(cls, env=os.environ) -> "HandlerSettings":
         """A bad value raises ValueError naming the variable."""
-        return cls(trust_request_chat_template=_boolean(env, "HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE",
+        return cls(model_name=env.get("HFENDPOINT_MODEL_NAME") or None,
+                   trust_request_chat_template=_boolean(env, "HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE",
                                                         cls.trust_request_chat_template),
                    drain_timeout=_seconds(env, "HFENDPOINT_DRAIN_TIMEOUT", cls.drain_timeout),
                    image_max_bytes=_count(env, "HFENDPOINT_IMAGE_MAX_BYTES", cls.image_max_bytes),

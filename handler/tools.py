@@ -16,13 +16,11 @@ max_tokens cut short) reach the template as the string they were sent as, as Ope
 turns need their `tool_call_id`.
 """
 import json
-import re
 from dataclasses import dataclass
 
-from handler.chat import RequestError, type_name
+from daemon_protocol import RequestError
+from schema.chat import ChatCompletionRequest, Function, Message, NamedToolChoice
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -35,124 +33,82 @@ class ToolPlan:
     parallel: bool = True
 
 
-def parse_tools(data: dict, template_format: str | None) -> ToolPlan:
-    tools = parse_tool_list(data.get("tools"))
-    parallel = data.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise RequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}", param="parallel_tool_calls")
-    parallel = parallel is not False
-    choice = data.get("tool_choice")
+def parse_tools(request: ChatCompletionRequest, sent_tools: list[dict] | None, template_format: str | None) -> ToolPlan:
+    """sent_tools: the request's tools as sent (the template reads every key of them)."""
+    functions = tool_functions(request)
+    parallel = request.parallel_tool_calls
+    choice = request.tool_choice
     if choice is None:
-        choice = "auto" if tools else "none"
-    named = parse_named_choice(choice) if isinstance(choice, dict) else None
-    if named is None and choice not in TOOL_CHOICE_MODES:
-        raise RequestError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or "
-                           f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', param="tool_choice")
+        choice = "auto" if functions else "none"
     if choice == "none":
         return ToolPlan(None, None, parallel=parallel)
-    if not tools:
-        raise RequestError(f"tool_choice {choice!r} needs tools: the request has none", param="tool_choice")
-    functions = {tool["function"]["name"]: tool["function"] for tool in tools}
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if not functions:
+        raise RequestError(f"tool_choice {named or choice!r} needs tools: the request has none", param="tool_choice")
     if named is not None:
         if named not in functions:
             raise RequestError(f"tool_choice names the function {named!r}, which is not among the tools "
                                f"({', '.join(functions)})", param="tool_choice")
-        return ToolPlan(tools, "arguments", named, parameters(functions[named]), parallel)
+        return ToolPlan(sent_tools, "arguments", named, parameters(functions[named]), parallel)
     if choice == "required":
-        return ToolPlan(tools, "json_array", None, calls_schema(functions.values(), parallel), parallel)
+        return ToolPlan(sent_tools, "json_array", None, calls_schema(functions.values(), parallel), parallel)
     if template_format is None:
         raise RequestError("tool_choice 'auto' (the default with tools): this model's chat template shows no "
                            "tool-call format to read the reply in (Hermes <tool_call>, Llama 3 JSON, Mistral "
                            "[TOOL_CALLS]); use tool_choice 'required' or a named function, which work with any model",
                            param="tool_choice")
-    return ToolPlan(tools, template_format, parallel=parallel)
+    return ToolPlan(sent_tools, template_format, parallel=parallel)
 
 
-def parse_tool_list(tools) -> list[dict]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list) or not tools:
-        raise RequestError(f"tools must be a non-empty list of tools, got {tools!r:.100}", param="tools")
-    names = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
-            raise RequestError(f'{where}: only tools of type "function" are supported, got {kind!r}', param="tools")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise RequestError(f"{where}.function must be a map with the function's name and parameters", param="tools")
-        name = function.get("name")
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
-                               param="tools")
-        if name in names:
-            raise RequestError(f"{where}.function.name: {name!r} is defined twice", param="tools")
-        names.add(name)
-        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise RequestError(f"{where}.function.parameters must be a JSON schema object", param="tools")
-        for key, kind in (("description", str), ("strict", bool)):
-            if function.get(key) is not None and not isinstance(function[key], kind):
-                raise RequestError(f"{where}.function.{key} must be a {kind.__name__}", param="tools")
-    return tools
+def tool_functions(request: ChatCompletionRequest) -> dict[str, Function]:
+    """The tools' functions by name; a name defined twice is refused."""
+    functions = {}
+    for i, tool in enumerate(request.tools or ()):
+        name = tool.function.name
+        if name in functions:
+            raise RequestError(f"tools[{i}].function.name: {name!r} is defined twice", param="tools")
+        functions[name] = tool.function
+    return functions
 
 
-def parse_named_choice(choice: dict) -> str:
-    function = choice.get("function")
-    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(f'tool_choice must name a function as {{"type": "function", "function": {{"name": ...}}}}, '
-                           f"got {choice!r:.200}", param="tool_choice")
-    return function["name"]
-
-
-def parameters(function: dict) -> dict:
+def parameters(function: Function) -> dict:
     """A function's parameters schema; one that declares none takes an empty object (OpenAI's reading)."""
-    return function.get("parameters") or NO_PARAMETERS
+    return function.parameters or NO_PARAMETERS
 
 
 def calls_schema(functions, parallel: bool) -> dict:
     """The JSON schema of a `required` reply: an array of calls, each one of the tools with its arguments."""
-    calls = [{"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters(function)},
+    calls = [{"type": "object", "properties": {"name": {"const": function.name}, "arguments": parameters(function)},
               "required": ["name", "arguments"], "additionalProperties": False} for function in functions]
     return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
-def prepare_tool_turns(messages: list[dict]) -> list[dict]:
-    """Assistant tool calls with their arguments as objects, and tool results checked for their call id."""
-    for i, message in enumerate(messages):
-        if message.get("tool_calls") is not None:
+def prepare_tool_turns(messages: list[dict], checked: list[Message]) -> list[dict]:
+    """Assistant tool calls with their arguments as objects, and tool results checked for their call id.
+    messages: the template's copies of the request's messages; checked: the same, decoded (schema/chat.py)."""
+    for i, (message, typed) in enumerate(zip(messages, checked)):
+        if typed.tool_calls is not None:
+            if typed.speaker != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                   param="messages")
             message["tool_calls"] = [tool_call_for_template(call, f"messages[{i}].tool_calls[{j}]")
-                                     for j, call in enumerate(assistant_tool_calls(message, f"messages[{i}]"))]
-        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+                                     for j, call in enumerate(message["tool_calls"])]
+        if typed.speaker == "tool" and typed.tool_call_id is None:
             raise RequestError(f"messages[{i}].tool_call_id must be the id of the call this tool result answers",
                                param="messages")
     return messages
 
 
-def assistant_tool_calls(message: dict, where: str) -> list:
-    calls = message["tool_calls"]
-    if message["role"] != "assistant":
-        raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls", param="messages")
-    if not isinstance(calls, list):
-        raise RequestError(f"{where}.tool_calls must be a list of tool calls, got {type_name(calls)}", param="messages")
-    return calls
-
-
-def tool_call_for_template(call, where: str) -> dict:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                           f'"arguments": ...}}}}', param="messages")
+def tool_call_for_template(call: dict, where: str) -> dict:
+    """A call as sent (its types checked by the schema), its arguments read from their JSON string."""
+    function = call["function"]
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             arguments = json_object_or_text(arguments)
         except RecursionError:
             raise RequestError(f"{where}.function.arguments nests too deeply to read", param="messages") from None
-    elif arguments is not None and not isinstance(arguments, dict):
-        raise RequestError(f"{where}.function.arguments must be a JSON string, got {type_name(arguments)}",
-                           param="messages")
-    return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments or {}}}
+    return {**call, "type": call.get("type") or "function", "function": {**function, "arguments": arguments or {}}}
 
 
 def json_object_or_text(arguments: str) -> dict | str:

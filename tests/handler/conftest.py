@@ -9,6 +9,7 @@ from aiohttp import web
 
 from front.handler_connection import HandlerConnection
 from front.server import make_app
+from front.settings import FrontSettings
 from handler.model_source import packaged_model_path
 from handler.tokenizer import load_tokenizer
 
@@ -46,7 +47,7 @@ class HostedFrontServer:
     async def _start(self, command: list[str]) -> None:
         self.connection = HandlerConnection(command)
         await self.connection.start()
-        self.runner = web.AppRunner(make_app(self.connection, None, 300.0), handler_cancellation=True)
+        self.runner = web.AppRunner(make_app(self.connection, FrontSettings()), handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"

@@ -122,18 +122,20 @@ def test_developer_messages_are_system_messages_and_the_plain_roles_are_taken(mo
 
 
 @pytest.mark.parametrize("data, param, message", [
-    ({**user("hi"), "temperature": "hot"}, "temperature", "temperature must be a number, got 'hot'"),
-    ({**user("hi"), "temperature": float("nan")}, "temperature", "temperature must be a finite number, got nan"),
-    ({**user("hi"), "top_p": float("inf")}, "top_p", "top_p must be a finite number, got inf"),
-    ({**user("hi"), "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
-    ({**user("hi"), "min_p": [0.1]}, "min_p", "min_p must be a number, got [0.1]"),
-    ({**user("hi"), "frequency_penalty": True}, "frequency_penalty", "frequency_penalty must be a number, got True"),
-    ({**user("hi"), "top_k": 2.5}, "top_k", "top_k must be an integer, got 2.5"),
-    ({**user("hi"), "seed": "1"}, "seed", "seed must be an integer, got '1'"),
-    ({**user("hi"), "seed": -1}, "seed", "seed must be in [0, 2**64)"),
-    ({**user("hi"), "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
-    ({**user("hi"), "max_completion_tokens": "10"}, "max_completion_tokens", "must be an integer, got '10'"),
-    ({**user("hi"), "n": 1.0}, "n", "n must be an integer, got 1.0"),
+    ({**user("hi"), "temperature": "hot"}, "temperature", "temperature must be a number >= 0, got 'hot'"),
+    ({**user("hi"), "temperature": float("nan")}, "temperature", "temperature must be a number >= 0, got nan"),
+    ({**user("hi"), "top_p": float("inf")}, "top_p", "top_p must be a number in (0, 1], got inf"),
+    ({**user("hi"), "top_p": 1.5}, "top_p", "top_p must be a number in (0, 1], got 1.5"),
+    ({**user("hi"), "min_p": [0.1]}, "min_p", "min_p must be a number in [0, 1], got [0.1]"),
+    ({**user("hi"), "frequency_penalty": True}, "frequency_penalty",
+     "frequency_penalty must be a number in [-2, 2], got True"),
+    ({**user("hi"), "top_k": 2.5}, "top_k", "top_k must be an integer (0 or less: off), got 2.5"),
+    ({**user("hi"), "seed": "1"}, "seed", "seed must be an integer in [0, 2**64), got '1'"),
+    ({**user("hi"), "seed": -1}, "seed", "seed must be an integer in [0, 2**64), got -1"),
+    ({**user("hi"), "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ({**user("hi"), "max_completion_tokens": "10"}, "max_completion_tokens",
+     "max_completion_tokens must be an integer >= 1, got '10'"),
+    ({**user("hi"), "n": 1.0}, "n", "n must be an integer >= 1, got 1.0"),
     ({**user("hi"), "stream": "yes"}, "stream", "stream must be a boolean, got 'yes'"),
     ({**user("hi"), "add_generation_prompt": 1}, "add_generation_prompt", "must be a boolean, got 1"),
     ({**user("hi"), "model": 3}, "model", "model must be a string, got 3"),
@@ -146,7 +148,8 @@ def test_developer_messages_are_system_messages_and_the_plain_roles_are_taken(mo
     ({"messages": [{"role": "user", "content": "a"}, {"role": "alien", "content": "b"}]}, "messages",
      "messages[1].role must be one of"),
     ({"messages": [{"role": "user", "content": "a", "name": 7}]}, "messages", "messages[0].name must be a string"),
-    ({"messages": [{"role": [], "content": "hi"}]}, "messages", "messages[0].role must be a string, got list"),
+    ({"messages": [{"role": [], "content": "hi"}]}, "messages",
+     "messages[0].role must be one of system, user, assistant, tool, developer, got []"),
     ({"messages": [{"role": "", "content": "hi"}]}, "messages", "messages[0].role must be one of"),
     (user("word " * 200), "messages", "maximum context length of 128"),
 ])
@@ -167,28 +170,29 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(model):
 @pytest.mark.parametrize("data, field", [
     ("hi", "request data must be a map"),
     ({}, "messages is required"),
-    ({"messages": "hi"}, "messages must be a list"),
-    ({"messages": []}, "messages must not be empty"),
+    ({"messages": "hi"}, "messages must be a non-empty list of messages, got 'hi'"),
+    ({"messages": []}, r"messages must be a non-empty list of messages, got \[\]"),
     ({"messages": [1]}, r"messages\[0\] must be a map"),
-    ({"messages": [{"role": 3, "content": "x"}]}, r"messages\[0\].role must be a string"),
+    ({"messages": [{"role": 3, "content": "x"}]},
+     r"messages\[0\].role must be one of system, user, assistant, tool, developer, got 3"),
     ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\].content must be a string or a list"),
     ({"messages": [{"content": [{"type": "image_url", "image_url": {}}]}]},
      r"messages\[0\].content\[0\]: this model does not read images"),
     ({"messages": [{"content": [{"type": "text", "text": 1}]}]}, r"content\[0\].text must be a string"),
-    ({**user("hi"), "temperature": -1}, "temperature must be >= 0, got -1"),
+    ({**user("hi"), "temperature": -1}, "temperature must be a number >= 0, got -1"),
     ({**user("hi"), "temperature": "hot"}, "temperature"),
     ({**user("hi"), "top_p": 0}, "top_p"),
     ({**user("hi"), "top_k": 1.5}, "top_k"),
     ({**user("hi"), "presence_penalty": 3}, "presence_penalty"),
     ({**user("hi"), "seed": -1}, "seed"),
     ({**user("hi"), "ignore_eos": "yes"}, "ignore_eos"),
-    ({**user("hi"), "max_tokens": 0}, "max_tokens must be at least 1"),
+    ({**user("hi"), "max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
     ({**user("hi"), "max_tokens": True}, "max_tokens must be an integer"),
     ({**user("hi"), "max_completion_tokens": 1000},
      "max_completion_tokens: this model's maximum context length is 128"),
     ({**user("hi"), "n": 17}, "n must be between 1 and 16"),
-    ({**user("hi"), "stop": ["a", 1]}, "stop must be"),
-    ({**user("hi"), "stop": [""]}, "stop must be"),
+    ({**user("hi"), "stop": ["a", 1]}, r"stop\[1\] must be a non-empty string, got 1"),
+    ({**user("hi"), "stop": [""]}, r"stop\[0\] must be a non-empty string, got ''"),
     ({**user("hi"), "stop": ["x"] * 17}, "at most 16 stop strings"),
     ({**user("hi"), "chat_template_kwargs": "x"}, "chat_template_kwargs must be a map"),
     ({**user("hi"), "chat_template_kwargs": {"tokenize": True}}, "the chat template rejected them"),
@@ -235,7 +239,7 @@ def test_trusted_templates_from_requests_are_used(model):
     for data in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
         request = parse_chat_request({**user("hi"), **data}, trusting)
         assert trusting.tokenizer.decode(request.prompt_token_ids) == "[hi]"
-    with pytest.raises(RequestError, match="^chat_template must be a string, got int"):
+    with pytest.raises(RequestError, match="^chat_template must be a string, got 3"):
         parse_chat_request({**user("hi"), "chat_template": 3}, trusting)
 
 

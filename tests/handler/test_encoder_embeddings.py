@@ -74,10 +74,11 @@ def test_truncate_prompt_tokens_on_token_lists_keeps_the_last_ones_and_says_how_
     assert "usage" not in plain, "without truncate_prompt_tokens (the production daemon's case) the reply is as before"
 
 
-@pytest.mark.parametrize("bad", [0, -2, 257, "10", True, 2.5])
-def test_a_bad_truncate_prompt_tokens_is_refused(minilm, bad):
+@pytest.mark.parametrize("bad, limit", [(0, "256"), (-2, "256"), (257, "256"), ("10", "the model's limit"),
+                                        (True, "the model's limit"), (2.5, "the model's limit")])
+def test_a_bad_truncate_prompt_tokens_is_refused(minilm, bad, limit):
     _, service = minilm
-    with pytest.raises(RequestError, match="truncate_prompt_tokens must be -1 .* from 1 to 256") as raised:
+    with pytest.raises(RequestError, match=f"truncate_prompt_tokens must be -1 .* from 1 to {limit}, got") as raised:
         asyncio.run(service.tokenize({"input": ["x"], "truncate_prompt_tokens": bad}))
     assert raised.value.param == "truncate_prompt_tokens"
 

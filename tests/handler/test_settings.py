@@ -17,6 +17,8 @@ def test_defaults_and_values():
     env = {"HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE": " Yes", "HFENDPOINT_DRAIN_TIMEOUT": "2.5"}
     assert HandlerSettings.from_env(env) == HandlerSettings(trust_request_chat_template=True, drain_timeout=2.5)
     assert HandlerSettings.from_env({"HFENDPOINT_DRAIN_TIMEOUT": "0"}).drain_timeout == 0
+    assert HandlerSettings.from_env({"HFENDPOINT_MODEL_NAME": "served"}).model_name == "served"
+    assert HandlerSettings.from_env({"HFENDPOINT_MODEL_NAME": ""}).model_name is None
 
 
 def test_image_limits():

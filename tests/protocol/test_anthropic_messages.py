@@ -150,8 +150,9 @@ def test_a_wrong_key_is_an_authentication_error(front_server):
 
 
 BAD = [
-    ({"max_tokens": None}, "max_tokens: field required"),
-    ({"max_tokens": 0}, "max_tokens must be an integer of at least 1"),
+    ({"max_tokens": None}, "max_tokens is required"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+    ({"temperature": "hot"}, "temperature must be a number >= 0, got 'hot'"),
     ({"messages": []}, "messages must be a non-empty list"),
     ({"messages": [{"role": "system", "content": "x"}]}, r"messages\[0\].role must be 'user' or 'assistant'"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
@@ -170,7 +171,7 @@ BAD = [
     ({"stop_sequences": "END"}, "stop_sequences must be a list of non-empty strings"),
     ({"metadata": {"user_id": 5}}, "metadata.user_id must be a string"),
     ({"stream": "yes"}, "stream must be a boolean"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking: not supported by this server"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported here; leave it out"),
 ]
 
 
@@ -184,7 +185,7 @@ def test_bad_input_is_a_400_in_anthropics_error_shape_naming_the_field(front_ser
 
 
 def test_the_sdk_raises_the_error_with_its_message(client):
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens must be an integer of at least 1"):
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens must be an integer >= 1, got 0"):
         client.messages.create(model="echo", max_tokens=0, messages=USER)
 
 

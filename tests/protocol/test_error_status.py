@@ -26,24 +26,34 @@ def test_status_400_by_default_and_no_param_or_code_keys_when_unset(handler):
         {"id": 2, "error": "no", "status": 400})
 
 
-def test_a_value_error_is_400_and_anything_else_500(handler):
-    handler.send({"id": 3, "name": "chat_completions", "data": None}, {"id": 4, "name": "fail", "data": "x"})
-    replies = {reply["id"]: reply for reply in handler.read_count(2)}
-    assert replies[3] == {"id": 3, "error": "'messages' must be a non-empty list", "status": 400}
+def test_a_request_error_is_400_and_anything_else_500_a_value_error_included(handler):
+    handler.send({"id": 3, "name": "chat_completions", "data": None}, {"id": 4, "name": "fail", "data": "x"},
+                 {"id": 6, "name": "chat_completions", "data": {"model": "value_error", "messages": [{}]}})
+    replies = {reply["id"]: reply for reply in handler.read_count(3)}
+    assert replies[3] == {"id": 3, "error": "request data must be a map, got nil", "status": 400}
     assert replies[4] == {"id": 4, "error": "RuntimeError: failing as asked: x", "status": 500}
+    assert replies[6] == {"id": 6, "error": "ValueError: echo worker has a bug", "status": 500}
+    assert "Traceback" in handler.stderr(), "a 500 is our bug: its traceback goes to the log"
 
 
 @pytest.mark.parametrize("status, expected", [(418, 418), (503, 503), (200, 500), ("400", 500), (True, 500)])
-def test_any_exception_with_an_error_status_attribute_gets_it(handler, status, expected):
-    handler.send({"id": 5, "name": "teapot", "data": status})
+def test_a_reply_error_gets_its_status_when_it_is_an_http_error_status(handler, status, expected):
+    handler.send({"id": 5, "name": "reply_error", "data": status})
     [reply] = handler.read_count(1)
     assert reply["status"] == expected
-    assert reply["error"] == ("short and stout" if expected != 500 else "Teapot: short and stout")
+    assert reply["error"] == "short and stout" if expected != 500 else reply["error"].startswith("TypeError: ")
 
 
-def test_the_exported_request_error_is_a_value_error():
+@pytest.mark.parametrize("status", [418, 400])
+def test_any_other_exception_is_a_500_whatever_status_attribute_it_has(handler, status):
+    handler.send({"id": 7, "name": "teapot", "data": status})
+    [reply] = handler.read_count(1)
+    assert reply == {"id": 7, "error": "Teapot: short and stout", "status": 500}
+
+
+def test_the_exported_request_error_is_a_reply_error_and_no_value_error():
     error = daemon_protocol.RequestError("too long", param="input", status=413, code="too_long")
-    assert isinstance(error, ValueError)
+    assert isinstance(error, daemon_protocol.ReplyError) and not isinstance(error, ValueError)
     assert error_fields(error) == {"status": 413, "param": "input", "code": "too_long"}
     from handler.chat import RequestError
     assert RequestError is daemon_protocol.RequestError

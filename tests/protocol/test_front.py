@@ -143,7 +143,7 @@ def test_client_disconnect_mid_stream_cancels_the_worker_request(front_server, c
     ('{"messages": "hi"}', "messages"),
     ('{"messages": [1]}', "messages"),
     ('{"messages": [], "stream": "yes"}', "stream"),
-    ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
+    ('{"messages": [], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options"),
     ('{"messages": [], "max_tokens": 1180591620717411303424}', "max_tokens"),  # 2**70: no MessagePack integer
     ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),  # a lone surrogate: not Unicode
 ])

@@ -95,7 +95,8 @@ def test_missing_name_and_invalid_data_get_error_replies_others_unaffected(handl
     assert by_id[1] == list(range(50))
     assert by_id[2] == ["request has no handler name: 'name' must be a string, got None"]
     assert by_id[3] == ["request has no handler name: 'name' must be a string, got 17"]
-    assert by_id[4] == by_id[5] == ["'messages' must be a non-empty list"]
+    assert by_id[4] == ["messages must be a non-empty list of messages, got 'not a list'"]
+    assert by_id[5] == ["request data must be a map, got nil"]
     assert by_id[6] == ["RuntimeError: failing as asked: boom"]
     assert "RuntimeError: failing as asked: boom" in handler.stderr()  # unexpected errors log a traceback
     assert "Traceback" in handler.stderr()
@@ -334,7 +335,7 @@ def test_unix_connect_transport_by_environment(tmp_path):
 
 
 def test_the_package_never_imports_torch():
-    code = ("import sys, daemon_protocol, front.server, front.handler_connection; "
+    code = ("import sys, daemon_protocol, schema, front.server, front.handler_connection; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], env=child_env(), check=True, timeout=60)
 

@@ -1,12 +1,14 @@
 """A small handler process for the protocol and mock-daemon tests (no model, no torch).
 
-Chat (`chat_completions`) picks its behaviour from the request's `model`:
+Chat (`chat_completions`) checks its data with the handler's schema (schema/chat.py), then picks its behaviour from
+the request's `model`:
   echo (default)  streams the last message's content back word by word; the last chunk carries
                   finish_reason "stop" and usage (prompt_tokens = characters in, completion = words out)
   slow            a chunk every 20 ms, up to 500 (or max_tokens); its cleanup is recorded as
                   "<last message's content> cancelled" (or "... done" when it ran out)
   cleanups        answers with the recorded cleanups, space separated
-  fail            raises ValueError("echo worker was asked to fail") (an error reply with status 400)
+  fail            raises RequestError("echo worker was asked to fail") (an error reply with status 400)
+  value_error     raises ValueError("echo worker has a bug") (status 500: only a RequestError is the client's fault)
   error           raises RuntimeError("echo worker broke") (status 500)
   unavailable     raises RequestError("echo worker is unavailable", status=503, code="echo_unavailable")
   stall           sends nothing for an hour (its cleanup is recorded like slow's)
@@ -34,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import daemon_protocol  # importable without installing the package
+from schema import ChatCompletionRequest, decode
 
 cleanups: list[str] = []
 ECHO_STATS = {"running": 2, "waiting": 1, "num_free_blocks": 70, "num_total_blocks": 100,
@@ -82,15 +85,13 @@ FEATURE_CHUNKS = [
 
 @daemon_protocol.handler("chat_completions")
 async def chat_completions(data):
-    if not isinstance(data, dict) or not isinstance(data.get("messages"), list) or not data["messages"]:
-        raise ValueError("'messages' must be a non-empty list")
+    decode(data, ChatCompletionRequest)
     model = data.get("model") or "echo"
     last = text_of(data["messages"][-1].get("content"))
     if model == "fail":
-        raise ValueError("echo worker was asked to fail")
-    if isinstance(data.get("max_tokens"), int) and data["max_tokens"] < 1:  # as the real handler refuses it
-        raise daemon_protocol.RequestError(f"max_tokens must be at least 1, got {data['max_tokens']}",
-                                           param="max_tokens")
+        raise daemon_protocol.RequestError("echo worker was asked to fail")
+    if model == "value_error":
+        raise ValueError("echo worker has a bug")
     if model == "error":
         raise RuntimeError("echo worker broke")
     if model == "unavailable":
@@ -216,10 +217,17 @@ class Teapot(Exception):
 
 @daemon_protocol.handler("teapot")
 async def teapot(data):
-    """An exception of our own with an int `status`: that is its status. data: the status to carry."""
+    """An exception that is no ReplyError but has an int `status` attribute: a 500 all the same. data: the status
+    it carries."""
     error = Teapot("short and stout")
     error.status = data
     raise error
+
+
+@daemon_protocol.handler("reply_error")
+async def reply_error(data):
+    """A ReplyError with the status data asks for."""
+    raise daemon_protocol.ReplyError("short and stout", data)
 
 
 @daemon_protocol.handler("slow")
