@@ -269,16 +269,17 @@ def qkv_paged_attention(
     qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int,
     q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
     meta: AttentionMetadata, scale: float, window: int = 0, sinks: Tensor | None = None,
-    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None, rotary_at_lengths: bool = True,
 ) -> Tensor:
     """qkv_prologue, storing the step's keys and values in the paged cache (quantized into an FP8 one), then
     paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA runs both in the
     decode attention kernel (one launch less per layer; Triton's qkv_decode_attention), unless the Gluon kernel
     (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (_flash_attn_reads) takes its
-    attention."""
+    attention, or rotary_at_lengths is False: that kernel rotates each sequence at its length - 1, which an
+    M-RoPE model's shifted positions are not."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
-    if (meta.is_decode and backend.fused_decode is not None
+    if (meta.is_decode and rotary_at_lengths and backend.fused_decode is not None
             and not backend.decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)):
         check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,
