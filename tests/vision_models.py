@@ -92,3 +92,20 @@ def greedy_with_images(model, prompt: list[int], pixel_values: torch.Tensor, max
                          output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+
+
+def graphs_that_hold_no_images(runner, monkeypatch) -> None:
+    """Gives a CPU runner what a CUDA one has once its warm-up is done: a captured graph for every prefill step's
+    size (a decode step runs eagerly here). A graph replays the forward it captured, which has no image rows and no
+    M-RoPE positions, so a step with images that picked one would compute wrong tokens: here its replay fails."""
+    from engine.cuda_graphs import GraphShape
+
+    def shape_for(num_tokens, as_rows=False):
+        total = sum(num_tokens)
+        return GraphShape(-(-total // 16) * 16, runner.graphs.max_num_seqs, False) if total > len(num_tokens) else None
+
+    def replay(shape):
+        raise AssertionError(f"a step replayed the CUDA graph of {shape}, which holds no image inputs")
+
+    monkeypatch.setattr(runner.graphs, "shape_for", shape_for)
+    monkeypatch.setattr(runner.graphs, "replay", replay)

@@ -4,7 +4,13 @@ split an image, and preempted; the image encoder equals transformers'; the prefi
 an image but nothing from an image on when the image differs."""
 import pytest
 import torch
-from vision_models import IMAGE_SIZE, greedy_with_images, image_prompt, save_gemma3_vision
+from vision_models import (
+    IMAGE_SIZE,
+    graphs_that_hold_no_images,
+    greedy_with_images,
+    image_prompt,
+    save_gemma3_vision,
+)
 
 from engine import LLM, SamplingParams
 from engine.images import PromptImage, fit_chunk
@@ -90,6 +96,15 @@ def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, pro
         hits = manager.num_hit_tokens
         (got,) = outputs(llm, [(prompt, indices)], pixels)
         assert manager.num_hit_tokens - hits == expected_hits
+        assert_same(got, want)
+
+
+def test_steps_with_images_run_eagerly(checkpoint, pixels, prompts, expected, monkeypatch):
+    """On CUDA every prefill size has a graph once the warm-up is done (after the first decode step): a later
+    prompt with an image must not replay one."""
+    llm = LLM(checkpoint[0], dtype="float32")
+    graphs_that_hold_no_images(llm.core.runner, monkeypatch)
+    for got, want in zip(outputs(llm, prompts, pixels), expected):
         assert_same(got, want)
 
 

@@ -5,6 +5,7 @@ images; M-RoPE positions equal transformers' get_rope_index; a different image m
 import pytest
 import torch
 from qwen_vl_models import greedy_with_images, image_prompt, random_patches, save_qwen2_5_vl
+from vision_models import graphs_that_hold_no_images
 
 from engine import LLM, SamplingParams
 from engine.images import PromptImage
@@ -100,6 +101,14 @@ def test_greedy_with_images_matches_transformers(reference, patches, prompts, ex
     if "num_kv_blocks" in engine:
         assert llm.core.scheduler.num_preemptions > 0
     assert llm.core.block_manager.num_free_blocks == llm.core.runner.num_blocks
+
+
+def test_steps_with_images_run_eagerly(reference, patches, prompts, expected, monkeypatch):
+    """A prefill step of a prompt with images (its image rows, its M-RoPE positions) never replays a CUDA graph."""
+    llm = LLM(reference[0], dtype="float32")
+    graphs_that_hold_no_images(llm.core.runner, monkeypatch)
+    for got, want in zip(outputs(llm, prompts[:2], patches), expected[:2]):
+        assert_same(got, want)
 
 
 def test_a_different_image_does_not_hit_the_prefix_cache(reference, patches, prompts, expected):
