@@ -85,9 +85,10 @@ def greedy_with_images(model, prompt: list[int], patches: list[torch.Tensor], gr
 def save_processor(path, min_pixels: int = 8 * 8 * 4, max_pixels: int = 32 * 32):
     """A word-level tokenizer over the tiny vocabulary (word i is "w{i}", but for the template's words), the
     Qwen2.5-VL vision tokens as special tokens, a chat template that places an image part as
-    <|vision_start|><|image_pad|><|vision_end|>, and the Qwen2.5-VL processor (its image processor with the tiny
-    tower's patches and these min and max pixels), saved under `path`."""
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+    <|vision_start|><|image_pad|><|vision_end|>, and the Qwen2-VL image processor with the tiny tower's patches and
+    these min and max pixels, saved under `path`; returns (tokenizer, image processor). (The whole
+    Qwen2_5_VLProcessor also needs a video processor, which needs torchvision.)"""
+    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     words = {**SPECIAL, **TEMPLATE_WORDS}
@@ -100,7 +101,18 @@ def save_processor(path, min_pixels: int = 8 * 8 * 4, max_pixels: int = 32 * 32)
                                         additional_special_tokens=[name for name in SPECIAL if name.startswith("<|")])
     image_processor = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL, merge_size=MERGE,
                                                min_pixels=min_pixels, max_pixels=max_pixels)
-    processor = Qwen2_5_VLProcessor(image_processor, tokenizer, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(path)
+    image_processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return processor
+    return tokenizer, image_processor
+
+
+def processed(tokenizer, image_processor, parts: list[dict], images: list) -> tuple[list[int], dict]:
+    """The prompt and image processor outputs for a user message of these parts, as Qwen2_5_VLProcessor makes them:
+    the template's prompt, each image's pad token repeated once per merged patch of its grid."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                         add_generation_prompt=True)
+    inputs = image_processor(images=images, return_tensors="pt")
+    pieces = text.split("<|image_pad|>")
+    counts = [math.prod(grid) // MERGE ** 2 for grid in inputs["image_grid_thw"].tolist()]
+    text = pieces[0] + "".join("<|image_pad|>" * count + piece for count, piece in zip(counts, pieces[1:]))
+    return tokenizer.encode(text, add_special_tokens=False), inputs
