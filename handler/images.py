@@ -38,7 +38,6 @@ MAX_REDIRECTS = 5
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 READ_CHUNK_BYTES = 1 << 16
 ALLOWED_NETWORKS_VARIABLE = "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"
-PATCH_TOKEN_MODEL_TYPES = ("qwen2_5_vl",)  # an image is its pad token once per merged patch
 QWEN_IMAGE_PAD = "<|image_pad|>"  # what Qwen2.5-VL's chat template writes for an image, between its vision markers
 
 log = logging.getLogger(__name__)
@@ -241,13 +240,14 @@ class VisionPrompt:
     @classmethod
     def load(cls, model_dir: str, max_pixels: int) -> "VisionPrompt | None":
         """None, logged, when the model directory's processor cannot prepare images: its text is served alone.
-        Qwen2.5-VL's whole processor also builds a video processor, which needs torchvision: its image processor
-        (preprocessor_config.json) serves alone."""
-        from transformers import AutoConfig, AutoImageProcessor, AutoProcessor
+        A Qwen2-VL image processor (its merge_size: an image is its pad token once per merged patch) serves alone:
+        Qwen2.5-VL's whole processor also builds a video processor, which needs torchvision."""
+        from transformers import AutoImageProcessor, AutoProcessor
 
         try:
-            if AutoConfig.from_pretrained(model_dir).model_type in PATCH_TOKEN_MODEL_TYPES:
-                return cls(AutoImageProcessor.from_pretrained(model_dir), QWEN_IMAGE_PAD, max_pixels)
+            image_processor = AutoImageProcessor.from_pretrained(model_dir)
+            if hasattr(image_processor, "merge_size"):
+                return cls(image_processor, QWEN_IMAGE_PAD, max_pixels)
             processor = AutoProcessor.from_pretrained(model_dir)
             return cls(processor.image_processor, processor.boi_token, max_pixels, processor.full_image_sequence,
                        {"do_pan_and_scan": False})

@@ -35,7 +35,6 @@ def opened(images: list[bytes]) -> list[Image.Image]:
 
 
 def test_prompt_and_patches_equal_the_processors(tmp_path):
-    save_qwen2_5_vl(tmp_path)  # its config.json says which processor files serve
     tokenizer, image_processor = save_processor(tmp_path)
     model = ChatModel(tokenizer, 4096, (), {}, vision=VisionPrompt.load(str(tmp_path), 10**6))
     images = [png(40, 24, seed=1), png(90, 60, seed=2)]  # the second over max_pixels: resized down
