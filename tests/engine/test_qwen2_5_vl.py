@@ -2,9 +2,12 @@
 each, equal transformers' generate with one image and with two (of different grids), whole, in chunks that would
 split an image, and preempted; a text-only prompt too; the vision transformer equals transformers' on a batch of
 images; M-RoPE positions equal transformers' get_rope_index; a different image misses the prefix cache."""
+import shutil
+
 import pytest
 import torch
 from qwen_vl_models import greedy_with_images, image_prompt, random_patches, save_qwen2_5_vl
+from safetensors.torch import load_file, save_file
 from vision_models import graphs_that_hold_no_images
 
 from engine import LLM, SamplingParams
@@ -126,6 +129,18 @@ def test_a_different_image_does_not_hit_the_prefix_cache(reference, patches, pro
         (out,) = llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(pixels, GRIDS[0])]])
         assert manager.num_hit_tokens - hits == expected_hits
         assert_same((out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]), want)
+
+
+def test_a_checkpoint_in_the_hubs_layout_loads(reference, patches, prompts, expected, tmp_path):
+    """The released checkpoints' names (transformers 4: model.layers..., visual...) load as transformers 5's do."""
+    path = reference[0]
+    shutil.copy(f"{path}/config.json", tmp_path)
+    renamed = {name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): tensor
+               for name, tensor in load_file(f"{path}/model.safetensors").items()}
+    assert any(name.startswith("visual.") for name in renamed)
+    save_file(renamed, f"{tmp_path}/model.safetensors")
+    (got,) = outputs(LLM(str(tmp_path), dtype="float32"), prompts[:1], patches)
+    assert_same(got, expected[0])
 
 
 def test_images_must_match_their_grids_and_runs(reference, patches, prompts):
