@@ -109,3 +109,20 @@ def graphs_that_hold_no_images(runner, monkeypatch) -> None:
 
     monkeypatch.setattr(runner.graphs, "shape_for", shape_for)
     monkeypatch.setattr(runner.graphs, "replay", replay)
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def generated(llm, prompts: list[list[int]], images: list[list], params) -> list[tuple[list[int], list[float]]]:
+    """The engine's tokens for each prompt with its images (engine/images.py's PromptImage), and the log-probability
+    of each."""
+    results = llm.generate(prompts, params, images=images)
+    return [(out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]) for out in results]
+
+
+def assert_same(got, expected) -> None:
+    """Equal tokens, and their log-probabilities within LOGPROB_TOLERANCE."""
+    (tokens, logprobs), (expected_tokens, expected_logprobs) = got, expected
+    assert tokens == expected_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < LOGPROB_TOLERANCE

@@ -6,6 +6,8 @@ import pytest
 import torch
 from vision_models import (
     IMAGE_SIZE,
+    assert_same,
+    generated,
     graphs_that_hold_no_images,
     greedy_with_images,
     image_prompt,
@@ -18,7 +20,6 @@ from models import load_model
 
 NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +51,8 @@ def engine_images(pixels, indices) -> list[PromptImage]:
 
 
 def outputs(llm: LLM, prompts, pixels) -> list[tuple[list[int], list[float]]]:
-    results = llm.generate([prompt for prompt, _ in prompts], GREEDY,
-                           images=[engine_images(pixels, indices) for _, indices in prompts])
-    return [(out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]) for out in results]
-
-
-def assert_same(got, expected) -> None:
-    (tokens, logprobs), (expected_tokens, expected_logprobs) = got, expected
-    assert tokens == expected_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < LOGPROB_TOLERANCE
+    return generated(llm, [prompt for prompt, _ in prompts], [engine_images(pixels, indices) for _, indices in prompts],
+                     GREEDY)
 
 
 def test_image_encoder_equals_transformers(checkpoint, pixels):

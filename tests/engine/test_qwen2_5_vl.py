@@ -8,7 +8,7 @@ import pytest
 import torch
 from qwen_vl_models import greedy_with_images, image_prompt, random_patches, save_qwen2_5_vl
 from safetensors.torch import load_file, save_file
-from vision_models import graphs_that_hold_no_images
+from vision_models import assert_same, generated, graphs_that_hold_no_images
 
 from engine import LLM, SamplingParams
 from engine.images import PromptImage
@@ -17,7 +17,6 @@ from models import load_model
 
 NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
-LOGPROB_TOLERANCE = 1e-4
 GRIDS = [(1, 6, 10), (1, 8, 4), (1, 4, 6)]  # 15, 8 and 6 soft tokens; windows of 2 x 2 tokens cut the first two
 
 
@@ -53,15 +52,8 @@ def engine_images(patches, indices) -> list[PromptImage]:
 
 
 def outputs(llm: LLM, prompts, patches) -> list[tuple[list[int], list[float]]]:
-    results = llm.generate([prompt for prompt, _ in prompts], GREEDY,
-                           images=[engine_images(patches, indices) for _, indices in prompts])
-    return [(out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]) for out in results]
-
-
-def assert_same(got, expected) -> None:
-    (tokens, logprobs), (expected_tokens, expected_logprobs) = got, expected
-    assert tokens == expected_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < LOGPROB_TOLERANCE
+    return generated(llm, [prompt for prompt, _ in prompts],
+                     [engine_images(patches, indices) for _, indices in prompts], GREEDY)
 
 
 def test_vision_transformer_equals_transformers_on_a_batch(reference, patches):
@@ -126,9 +118,9 @@ def test_a_different_image_does_not_hit_the_prefix_cache(reference, patches, pro
     for pixels, expected_hits, want in ((patches[0], 0, expected[0]), (other, 8, other_image),
                                         (patches[0], (len(prompt) - 1) // 4 * 4, expected[0])):
         hits = manager.num_hit_tokens
-        (out,) = llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(pixels, GRIDS[0])]])
+        (got,) = generated(llm, [prompt], [[PromptImage.of_pixels(pixels, GRIDS[0])]], GREEDY)
         assert manager.num_hit_tokens - hits == expected_hits
-        assert_same((out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]), want)
+        assert_same(got, want)
 
 
 def test_a_checkpoint_in_the_hubs_layout_loads(reference, patches, prompts, expected, tmp_path):
