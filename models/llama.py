@@ -11,9 +11,8 @@ names (models/loader.py):
   layers with rope settings of their own, tied embeddings; final logit soft-capping where a config sets it.
 - Qwen2.5-VL text: Qwen2 with M-RoPE (models/rotary.py's mrope_rows): a prefill step with images passes
   rope_positions [3, T], three position streams per token, and the rotary reads a row per token; every other
-  step passes shifted 1D positions (a request's text after its images continues from its last position + 1), so
-  decode steps launch the prologue apart from attention (the fused decode kernel reads positions from the
-  sequence lengths).
+  step passes shifted 1D positions (a request's text after its images continues from its last position + 1),
+  which the fused decode kernel then reads rather than each sequence's length - 1.
 - Qwen3-MoE: Qwen3 with a routed MLP (models/moe.py) on the layers is_moe_layer names, dense elsewhere.
 - gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts dequantized at load),
   attention sinks, alternating sliding and full layers, biases on q/k/v/o, YaRN rope.

@@ -2,7 +2,11 @@
 each, equal transformers' generate with one image and with two (of different grids), whole, in chunks that would
 split an image, and preempted; a text-only prompt too; the vision transformer equals transformers' on a batch of
 images; M-RoPE positions equal transformers' get_rope_index; a different image misses the prefix cache."""
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -144,3 +148,39 @@ def test_images_must_match_their_grids_and_runs(reference, patches, prompts):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[0])]])
     with pytest.raises(ValueError, match="run of image tokens is 15 long; the model reads 8"):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[1], GRIDS[1])]])
+
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    import kernels
+    triton_backend = kernels._backend("cuda")
+    kernels._backend = lambda device_type: triton_backend
+    from qwen_vl_models import greedy_with_images, image_prompt, random_patches, save_qwen2_5_vl
+    from engine import LLM, SamplingParams
+    from engine.images import PromptImage
+
+    grids = [(1, 6, 10), (1, 8, 4)]
+    model = save_qwen2_5_vl(sys.argv[1])
+    patches = [random_patches(grid, seed) for seed, grid in enumerate(grids)]
+    prompt = image_prompt(list(range(20, 44)), [3, 12], grids)
+    expected, _ = greedy_with_images(model, prompt, patches, grids, 6)
+    images = [PromptImage.of_pixels(pixels, grid) for pixels, grid in zip(patches, grids)]
+    (out,) = LLM(sys.argv[1], dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=6),
+                                                        images=[images])
+    assert out["token_ids"] == expected, (out["token_ids"], expected)
+    """
+)
+
+
+@pytest.mark.slow  # the engine through interpreted Triton kernels
+def test_the_triton_kernels_serve_m_rope(tmp_path):
+    """The GPU path on the CPU (Triton's interpreter): the prologue reads each prefill row's M-RoPE cos|sin row,
+    and the fused decode kernel rotates at the shifted positions it is given."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    result = subprocess.run([sys.executable, "-c", TRITON_CHECK, str(tmp_path)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
