@@ -8,7 +8,8 @@ import os
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.config import KV_CACHE_DTYPES
 from kernels import gpu_features
@@ -38,8 +39,10 @@ def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, devi
     _write_json(config_path, raw_config)
     config = AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(0)
+    auto = AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else \
+        AutoModelForImageTextToText  # Qwen2.5-VL's class is only an image-text-to-text model
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = auto.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir, max_shard_size="4GB")
     _write_json(config_path, raw_config)  # the public config as written, not this transformers' rendering of it
     return out_dir

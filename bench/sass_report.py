@@ -29,7 +29,7 @@ from kernels import gluon_decode, triton_attention
 POINTERS = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "seq_order_ptr": "*i32",
             "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "arrivals_ptr": "*i32",
             "sinks_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "cos_sin_ptr": "*fp32",
-            "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+            "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
 ALIGNED_INTS = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_slot", "stride_cs"}
 FLOATS = {"qk_scale", "eps"}
 TOOLS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
@@ -42,7 +42,7 @@ def compile_decode(fp8: bool, tiles: triton_attention.DecodeTiles, split: bool):
     constants = dict(GROUP=2, GROUP_BLOCK=16, HEAD_DIM=128, BLOCK_N=tiles.block_n, BLOCK_SIZE=16, SPLIT=split,
                      DOT_PRECISION="tf32", LENS_BLOCK=256, BALANCE=split, SPLITS_BLOCK=2 if split else 1,
                      ORDERED=True, PROLOGUE=True, HAS_NORM=True, NUM_Q_HEADS=16, WINDOW=False, HAS_SINKS=False,
-                     FP8=fp8, PTX=fp8, USE_PDL=True)
+                     FP8=fp8, PTX=fp8, HAS_POSITIONS=False, USE_PDL=True)
     names = list(inspect.signature(triton_attention._decode_kernel.fn).parameters)
     signature, attrs = {}, {}
     for index, name in enumerate(names):

@@ -10,6 +10,7 @@ from engine.embedding import Embedder
 from engine.errors import PromptRejected
 from engine.images import PromptImage, place_images
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.mrope import prompt_rope_positions
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculation import NO_SPECULATION, Speculator
@@ -70,24 +71,30 @@ class EngineCore:
         self.check_prompt(prompt_token_ids)
         images = list(images)
         self.check_images(prompt_token_ids, images)
-        return Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids, constraint,
-                        shares_prompt_with, images)
+        seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, self.eos_token_ids, constraint,
+                       shares_prompt_with, images)
+        if images and self.runner.model.uses_mrope:
+            seq.rope_positions, seq.rope_delta = prompt_rope_positions(len(prompt_token_ids), images,
+                                                                       self.runner.vision.spatial_merge_size)
+        return seq
 
     def check_images(self, prompt_token_ids: list[int], images: list[PromptImage]) -> None:
         """Places the images on their runs of image tokens; ValueError when the model reads no images, or they
-        and the prompt do not match, or a pixel tensor is not the encoder's shape."""
+        and the prompt do not match, or an image's pixels (and grid) do not fit the encoder."""
         vision = self.runner.vision
         if vision is None:
             if images:
                 raise ValueError(f"model {self.model} does not read images (served as a text model)")
             return
+        lengths = []
         for i, image in enumerate(images):
-            if image.pixel_values is not None and tuple(image.pixel_values.shape) != vision.pixel_shape:
-                raise ValueError(f"image {i} has pixel values of shape {tuple(image.pixel_values.shape)}; the "
-                                 f"image encoder takes {vision.pixel_shape}")
-        place_images(prompt_token_ids, images, vision.image_token_id, vision.tokens_per_image)
-        if images and vision.tokens_per_image > self.max_num_batched_tokens:
-            raise ValueError(f"an image is {vision.tokens_per_image} tokens, more than the step budget "
+            try:
+                lengths.append(vision.soft_token_count(image.pixel_values, image.grid))
+            except ValueError as exc:
+                raise ValueError(f"image {i}: {exc}") from None
+        place_images(prompt_token_ids, images, vision.image_token_id, lengths)
+        if images and max(lengths) > self.max_num_batched_tokens:
+            raise ValueError(f"an image is {max(lengths)} tokens, more than the step budget "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: raise it to serve images")
 
     def add(self, seq: Sequence) -> None:

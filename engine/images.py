@@ -2,9 +2,11 @@
 keep results exact with them.
 
 A prompt holds the model's image token once per soft token of each image, in runs (one run per image, in the
-order of the images). The encoder runs once per request, at the first step that computes part of an image;
-its soft tokens replace those rows' token embeddings, and the rows of one image attend to each other both ways
-(AttentionMetadata.image_spans). So that this needs no more than one step:
+order of the images): a fixed count per image (Gemma 3) or one per merged patch of its grid (Qwen2.5-VL, whose
+image tokens also take M-RoPE positions from the grid: engine/mrope.py). The encoder runs once per request, at
+the first step that computes part of an image; its soft tokens replace those rows' token embeddings, and, for
+Gemma 3, the rows of one image attend to each other both ways (AttentionMetadata.image_spans). So that this needs
+no more than one step:
 - a prefill chunk never ends inside an image (fit_chunk): it stops before the image, or takes all of its rest;
 - a full KV block's prefix-cache hash covers the content of every image that has a token in it or before it
   (image_keys), since those keys depend on the whole image: two prompts with equal tokens and different
@@ -23,30 +25,34 @@ from engine.errors import PromptRejected
 
 @dataclass(eq=False)
 class PromptImage:
-    """One image of a prompt: its preprocessed pixels [C, H, W] (the model's image processor's output) and a
-    hash of them. The engine places it (offset, length: its run of image tokens) and computes its soft tokens
-    once (embeds [length, hidden]), dropping the pixels then."""
+    """One image of a prompt: its preprocessed pixels (the model's image processor's output: [C, H, W] for
+    Gemma 3, Qwen2.5-VL's flattened patches [t * h * w, values] with their grid (t, h, w)) and a hash of both. The
+    engine places it (offset, length: its run of image tokens) and computes its soft tokens once (embeds
+    [length, hidden]), dropping the pixels then."""
 
     pixel_values: Tensor | None
     key: int
     offset: int = 0
     length: int = 0
     embeds: Tensor | None = None
+    grid: tuple[int, int, int] | None = None
 
     @classmethod
-    def of_pixels(cls, pixel_values: Tensor) -> "PromptImage":
+    def of_pixels(cls, pixel_values: Tensor, grid: tuple[int, int, int] | None = None) -> "PromptImage":
         pixels = pixel_values.contiguous()
-        return cls(pixels, xxhash.xxh3_64_intdigest(pixels.numpy().tobytes()))
+        digest = xxhash.xxh3_64(pixels.numpy().tobytes())
+        if grid is not None:
+            digest.update(np.asarray(grid, dtype=np.int64).tobytes())
+        return cls(pixels, digest.intdigest(), grid=None if grid is None else tuple(grid))
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
 
-def place_images(token_ids: list[int], images: list[PromptImage], image_token_id: int, tokens_per_image: int
-                 ) -> None:
+def place_images(token_ids: list[int], images: list[PromptImage], image_token_id: int, lengths: list[int]) -> None:
     """Sets each image's span from the runs of image_token_id in the prompt; PromptRejected when the runs do not
-    match the images one to one, each tokens_per_image long (a client may type the image token itself)."""
+    match the images one to one, each as long as its soft tokens (lengths)."""
     ids = np.asarray(token_ids)
     is_image = np.concatenate(([False], ids == image_token_id, [False]))
     edges = np.flatnonzero(is_image[1:] != is_image[:-1])
@@ -54,10 +60,10 @@ def place_images(token_ids: list[int], images: list[PromptImage], image_token_id
     if len(runs) != len(images):
         raise PromptRejected(f"the prompt has {len(runs)} runs of the image token (id {image_token_id}) but "
                          f"{len(images)} images came with it: each image needs one run")
-    for i, ((start, end), image) in enumerate(zip(runs, images)):
-        if end - start != tokens_per_image:
+    for i, ((start, end), image, length) in enumerate(zip(runs, images, lengths)):
+        if end - start != length:
             raise PromptRejected(f"image {i}'s run of image tokens is {end - start} long; the model reads "
-                             f"{tokens_per_image} soft tokens per image")
+                             f"{length} soft tokens for it")
         image.offset, image.length = start, end - start
 
 
@@ -81,11 +87,12 @@ def image_keys(images: list[PromptImage], block_end: int) -> list[int]:
 @dataclass
 class StepImages:
     """What a step's forward needs for its image tokens: their rows among the step's tokens and soft tokens
-    (the model's image_embeds), and each row's span of key positions (AttentionMetadata.image_spans)."""
+    (the model's image_embeds), and, for a model whose image tokens see each other both ways (the encoder's
+    bidirectional_images: Gemma 3, not Qwen2.5-VL), each row's span of key positions (AttentionMetadata.image_spans)."""
 
     rows: Tensor
     embeds: Tensor
-    spans: Tensor
+    spans: Tensor | None
 
 
 def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> StepImages | None:
@@ -94,6 +101,9 @@ def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> Step
     parts = []  # (image, first row of the step, first token of the image, count)
     row = 0
     for seq, start, n in zip(seqs, starts, num_tokens):
+        if start >= seq.num_prompt_tokens:  # decode tokens: no image
+            row += n
+            continue
         for image in seq.images:
             low, high = max(image.offset, start), min(image.end, start + n)
             if low < high:
@@ -104,19 +114,22 @@ def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> Step
     encode_images(list(dict.fromkeys(image for image, *_ in parts if image.embeds is None)), encoder)
     rows = torch.cat([torch.arange(first, first + count) for _, first, _, count in parts])
     embeds = torch.cat([image.embeds[skip:skip + count] for image, _, skip, count in parts])
+    device = embeds.device
+    if not encoder.bidirectional_images:
+        return StepImages(rows.to(device), embeds, None)
     spans = torch.zeros(row, 2, dtype=torch.int64)
     for image, first, _, count in parts:
         spans[first:first + count] = torch.tensor([image.offset, image.end])
-    device = embeds.device
     return StepImages(rows.to(device), embeds, spans.to(device))
 
 
 @torch.inference_mode()
 def encode_images(images: list[PromptImage], encoder) -> None:
-    """Soft tokens for each image, in one batch through the encoder; the pixels are dropped once they have them."""
+    """Soft tokens for each image, in one batch through the encoder (its embed_images); the pixels are dropped once
+    they have them."""
     if not images:
         return
     weight = next(encoder.parameters())
-    pixels = torch.stack([image.pixel_values for image in images]).to(weight.device, weight.dtype)
-    for image, embeds in zip(images, encoder(pixels)):
+    pixels = [image.pixel_values.to(weight.device, weight.dtype) for image in images]
+    for image, embeds in zip(images, encoder.embed_images(pixels, [image.grid for image in images])):
         image.embeds, image.pixel_values = embeds, None

@@ -34,6 +34,7 @@ from engine.eagle3_drafter import Eagle3Drafter, check_eagle3
 from engine.embedding import forward_decoder
 from engine.images import StepImages, step_images
 from engine.kv_cache import allocate_kv_cache
+from engine.mrope import step_rope_positions
 from engine.prompt_logprobs import PromptLogitRows, compute_prompt_logprobs, prompt_logit_rows, record_prompt_logprobs
 from engine.sampler import Sampler, logprob_entry
 from engine.sampling_params import MAX_LOGPROBS
@@ -118,7 +119,7 @@ class ModelRunner:
             self.context_bound = "what the KV pool holds for one request"
         if self.is_driver:
             note(f"max_model_len {self.max_model_len}, set by {self.context_bound},")
-        self.buffers = StepBuffers(config, self.max_model_len, self.device)
+        self.buffers = StepBuffers(config, self.max_model_len, self.device, shifted_positions=self.model.uses_mrope)
         self.token_masks: TokenMasks | None = None  # made for the first step with a constrained request
         if self.device.type == "cuda":  # two: a step's ids may still be on their way while the next is launched
             rows = config.max_num_seqs * (1 + config.num_speculative_tokens)  # verification: a row per draft token
@@ -193,12 +194,13 @@ class ModelRunner:
         launched, still unfinished (see StepBuffers.stage), and a step with constrained sampling rows is left
         to sample() once that one has been applied."""
         as_rows = ahead is None and self.buffers.verifies_as_rows(seqs, num_tokens)
-        images = self._step_images(seqs, num_tokens, ahead) if self.vision is not None and not as_rows \
-            and max(num_tokens) > 1 else None
-        graph = None if images is not None else self.graphs.shape_for(num_tokens, as_rows)  # graphs hold no images
+        images, rope_positions = self._step_images(seqs, num_tokens, ahead) if self.vision is not None \
+            else (None, None)
+        # a step with images runs eagerly: no graph holds its image rows or its M-RoPE positions
+        graph = self.graphs.shape_for(num_tokens, as_rows) if images is None and rope_positions is None else None
         staged = self.buffers.stage(seqs, num_tokens, graph, ahead, follows, as_rows)
         prompt_rows = prompt_logit_rows(seqs, num_tokens, ahead)
-        logits, prompt_logprobs = self.collective("execute", staged, images, prompt_rows)
+        logits, prompt_logprobs = self.collective("execute", staged, images, prompt_rows, rope_positions)
         if not staged.sample_rows:
             return LaunchedStep(seqs, num_tokens, [], None, None, plannable=True, prompt_rows=prompt_rows,
                                 prompt_logprobs=prompt_logprobs)
@@ -321,18 +323,22 @@ class ModelRunner:
         return id_buffer, logprob_buffer if logprobs is not None else None, ready
 
     def _step_images(self, seqs: list[Sequence], num_tokens: list[int], ahead: list[int] | None
-                     ) -> StepImages | None:
-        """The soft tokens of the images a prefill step computes (their encoder runs now, once per image)."""
+                     ) -> tuple[StepImages | None, Tensor | None]:
+        """The soft tokens of the images a prefill step computes (their encoder runs now, once per image), and
+        an M-RoPE model's [3, T] positions for a step that computes part of a prompt with images (else None)."""
         starts = [seq.num_computed_tokens + (ahead[i] if ahead else 0) for i, seq in enumerate(seqs)]
-        return step_images(seqs, starts, num_tokens, self.vision)
+        rope_positions = step_rope_positions(seqs, starts, num_tokens) if self.model.uses_mrope else None
+        if rope_positions is not None:
+            rope_positions = torch.from_numpy(rope_positions).to(self.device)
+        return step_images(seqs, starts, num_tokens, self.vision), rope_positions
 
     @torch.inference_mode()
-    def execute(self, staged: StagedStep, images: StepImages | None = None, prompt_rows: PromptLogitRows | None = None
-                ) -> tuple[Tensor | None, Tensor | None]:
+    def execute(self, staged: StagedStep, images: StepImages | None = None, prompt_rows: PromptLogitRows | None = None,
+                rope_positions: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay), the
         logits of the rows that sample and the prompt logprobs of prompt_rows (on rank 0; None elsewhere, when no
-        row samples and when no request asks). images: the step's image rows (only a single-rank engine has an
-        image encoder)."""
+        row samples and when no request asks). images: the step's image rows, rope_positions its M-RoPE
+        positions (only a single-rank engine has an image encoder: such steps run eagerly)."""
         if not self.is_driver:
             self.buffers.restage(staged)
         step = self.buffers.upload(staged)
@@ -340,9 +346,10 @@ class ModelRunner:
             self._take_sampled_ids(step.input_ids[:staged.num_follows])
         if staged.graph:
             hidden = self.graphs.replay(staged.graph)
-        elif images is not None:
-            step.meta.image_spans = images.spans
-            hidden = self.model(step.input_ids, step.positions, step.meta, (images.rows, images.embeds))
+        elif images is not None or rope_positions is not None:
+            step.meta.image_spans = images.spans if images is not None else None  # spans: Gemma 3's rule
+            hidden = self.model(step.input_ids, step.positions, step.meta,
+                                (images.rows, images.embeds) if images is not None else None, rope_positions)
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
         logits = self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None

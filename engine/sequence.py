@@ -24,12 +24,14 @@ class Sequence:
     each token the request takes, once, and the request ends ("stop") when it terminates. shares_prompt_with:
     another request with the same prompt, whose computed prompt blocks this one takes from the prefix cache
     (it is admitted once that one's prompt is computed). images: the prompt's images, placed
-    (engine/images.py)."""
+    (engine/images.py). rope_positions and rope_delta: an M-RoPE model's prompt positions with images and the
+    shift of every token after them (engine/mrope.py); None and 0 otherwise."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
                  "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
-                 "draft_token_ids", "draft_state", "acceptance", "draft_gain", "images", "prompt_logprobs")
+                 "draft_token_ids", "draft_state", "acceptance", "draft_gain", "images", "prompt_logprobs",
+                 "rope_positions", "rope_delta")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
@@ -59,6 +61,8 @@ class Sequence:
         self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
         self.draft_gain = INITIAL_DRAFT_GAIN  # recent draft tokens accepted per drafting step, misses as 0 (same)
         self.images = images or []
+        self.rope_positions = None
+        self.rope_delta = 0
         # per prompt token, when params ask (None for the first, which nothing predicts), filled as steps compute
         # the positions before each: engine/prompt_logprobs.py
         self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = (

@@ -9,6 +9,9 @@ sequence's table it holds, so a decode step writes only blocks that are new.
 A step launched before the one in flight has finished stages its sequences' positions past the tokens they
 have in flight (`ahead`), and, for its leading requests (`follows`), in place of their input ids, the rows
 of the in-flight step's sampled ids they take; the device swaps the ids in before the forward.
+
+For an M-RoPE model (shifted_positions), each token's rotary position is its index plus its request's rope_delta
+(engine/mrope.py); its cache slot stays at its index.
 """
 import itertools
 from dataclasses import dataclass
@@ -101,8 +104,9 @@ class StepBuffers:
     and logits indices; int32: cu_seqlens, seq_lens and the decode order, then the block table of max_num_seqs
     rows at a fixed offset."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device):
+    def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device, shifted_positions: bool = False):
         self.block_size, self.max_model_len = config.block_size, max_model_len
+        self.shifted_positions = shifted_positions
         self.max_blocks_per_seq = width = -(-max_model_len // config.block_size)
         max_rows = config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, max_rows)
@@ -192,6 +196,9 @@ class StepBuffers:
             rows, attended, row_counts = np.repeat(np.arange(num_seqs), counts), seq_lens, counts
         slot_mapping[:total] = (tables[rows, positions[:total] // self.block_size] * self.block_size
                                 + positions[:total] % self.block_size)
+        if self.shifted_positions:
+            positions[:total] += np.repeat(np.fromiter([seq.rope_delta for seq in seqs], dtype=np.int64,
+                                                       count=num_seqs), counts)
         input_ids[total:], positions[total:], slot_mapping[total:] = 0, 0, -1
         cu_seqlens = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(row_counts, out=cu_seqlens[1:num_attending + 1])

@@ -86,8 +86,8 @@ def parse_chat_request(data, model: ChatModel, image_sources: list = ()) -> Chat
                            model.trust_request_chat_template)
     images = ()
     if image_sources:
-        prompt = model.vision.expand(prompt, len(image_sources))
         images = tuple(model.vision.prepare(source) for source in image_sources)
+        prompt = model.vision.expand(prompt, list(images))
     check_prompt_chars(len(prompt), model)
     check_rendered_size(len(prompt), model.limits)
     prompt_token_ids = encode_prompt(model.tokenizer, prompt)

@@ -7,6 +7,9 @@ per fetch, images per request. A URL whose host is, or resolves to, a loopback, 
 non-public address is refused unless the operator allows its network, at every redirect too: the connection
 resolves through a resolver that checks every address it returns, so the address checked is the address
 connected to.
+The processor's files say what an image's marker in the rendered prompt expands to: Gemma 3's fixed run of soft
+tokens, or Qwen2.5-VL's image pad token once per merged patch of the grid its image processor resized the image to
+(within its min and max pixels: dynamic resolution).
 Decoding and preprocessing (Pillow, the processor's resize and normalisation) run on an encoding thread
 (handler/service.py), never on the event loop or the engine thread. Every refusal is a 400 naming the part,
 `messages[i].content[j].image_url`.
@@ -18,6 +21,7 @@ import binascii
 import io
 import ipaddress
 import logging
+import math
 import socket
 from dataclasses import dataclass
 
@@ -34,6 +38,7 @@ MAX_REDIRECTS = 5
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 READ_CHUNK_BYTES = 1 << 16
 ALLOWED_NETWORKS_VARIABLE = "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"
+QWEN_IMAGE_PAD = "<|image_pad|>"  # what Qwen2.5-VL's chat template writes for an image, between its vision markers
 
 log = logging.getLogger(__name__)
 
@@ -216,42 +221,60 @@ class VisionPrompt:
     template writes for an image, the text the processor puts in its place (the soft-token placeholders), and the
     image processor that resizes and normalises. Used on encoding threads; max_pixels bounds a decoded image."""
 
-    def __init__(self, processor, max_pixels: int):
-        if getattr(processor.image_processor, "do_pan_and_scan", None):
+    def __init__(self, image_processor, marker: str, max_pixels: int, sequence: str | None = None,
+                 options: dict | None = None):
+        """sequence: what every image's marker expands to (Gemma 3's run of soft tokens); None: the marker itself
+        once per merged patch of the image's grid (Qwen2.5-VL's pad token). options: the image processor's."""
+        if getattr(image_processor, "do_pan_and_scan", None):
             raise ValueError("the model's preprocessor_config.json enables pan and scan (do_pan_and_scan), which this "
                              "server does not serve: set it to false")
-        self.marker, self.expansion = processor.boi_token, processor.full_image_sequence
-        self.image_processor = processor.image_processor
-        self.max_pixels = max_pixels
+        self.image_processor, self.marker, self.max_pixels = image_processor, marker, max_pixels
+        self.sequence, self.options = sequence, options or {}
+
+    def expansion(self, image: PromptImage) -> str:
+        """What the processor writes in place of this image's marker."""
+        if self.sequence is not None:
+            return self.sequence
+        return self.marker * (math.prod(image.grid) // self.image_processor.merge_size ** 2)
 
     @classmethod
     def load(cls, model_dir: str, max_pixels: int) -> "VisionPrompt | None":
-        """None, logged, when the model directory's processor cannot prepare images: its text is served alone."""
-        from transformers import AutoProcessor
+        """None, logged, when the model directory's processor cannot prepare images: its text is served alone.
+        A Qwen2-VL image processor (its merge_size: an image is its pad token once per merged patch) serves alone:
+        Qwen2.5-VL's whole processor also builds a video processor, which needs torchvision."""
+        from transformers import AutoImageProcessor, AutoProcessor
 
         try:
-            return cls(AutoProcessor.from_pretrained(model_dir), max_pixels)
+            image_processor = AutoImageProcessor.from_pretrained(model_dir)
+            if hasattr(image_processor, "merge_size"):
+                return cls(image_processor, QWEN_IMAGE_PAD, max_pixels)
+            processor = AutoProcessor.from_pretrained(model_dir)
+            return cls(processor.image_processor, processor.boi_token, max_pixels, processor.full_image_sequence,
+                       {"do_pan_and_scan": False})
         except (OSError, ValueError, AttributeError) as exc:
             log.warning("images are refused: the model's processor (processor_config.json, "
                         "preprocessor_config.json) cannot prepare them: %s", exc)
             return None
 
-    def expand(self, prompt: str, num_images: int) -> str:
-        """The rendered prompt with each image marker replaced by the processor's expansion; the template must
-        have written one marker per image."""
-        found = prompt.count(self.marker)
-        if found != num_images:
-            raise RequestError(f"messages: the chat template wrote {found} image markers ({self.marker}) for "
-                               f"{num_images} images; each image part needs its own", param="messages")
-        return prompt.replace(self.marker, self.expansion)
+    def expand(self, prompt: str, images: list[PromptImage]) -> str:
+        """The rendered prompt with each image marker replaced by the processor's expansion of its image; the
+        template must have written one marker per image."""
+        pieces = prompt.split(self.marker)
+        if len(pieces) - 1 != len(images):
+            raise RequestError(f"messages: the chat template wrote {len(pieces) - 1} image markers ({self.marker}) "
+                               f"for {len(images)} images; each image part needs its own", param="messages")
+        return pieces[0] + "".join(self.expansion(image) + piece for image, piece in zip(images, pieces[1:]))
 
     def prepare(self, source: ImageSource) -> PromptImage:
-        """Decodes an image part and preprocesses it as the model's processor does (RGB, no pan and scan)."""
+        """Decodes an image part and preprocesses it as the model's processor does (RGB, no pan and scan): Gemma 3's
+        pixels [C, H, W], or Qwen2.5-VL's flattened patches with their grid."""
         encoded = base64_bytes(source) if isinstance(source.data, str) else source.data
         image = self.decode(encoded, source.where)
-        pixels = self.image_processor(images=[image], do_convert_rgb=True, do_pan_and_scan=False,
-                                      return_tensors="pt")["pixel_values"][0]
-        return PromptImage.of_pixels(pixels.float())
+        processed = self.image_processor(images=[image], do_convert_rgb=True, return_tensors="pt", **self.options)
+        grids = processed.get("image_grid_thw")
+        if grids is None:
+            return PromptImage.of_pixels(processed["pixel_values"][0].float())
+        return PromptImage.of_pixels(processed["pixel_values"].float(), tuple(grids[0].tolist()))
 
     def decode(self, encoded: bytes, where: str) -> Image.Image:
         try:

@@ -188,12 +188,13 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, arrivals_ptr, qk_scale, num_splits, window, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-    cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr,
+    cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, positions_ptr,
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LENS_BLOCK: tl.constexpr, BALANCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr, ORDERED: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -238,10 +239,13 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + seq.to(tl.int64) * stride_qt
     if PROLOGUE:
+        position = seq_len - 1
+        if HAS_POSITIONS:
+            position = tl.load(positions_ptr + seq).to(tl.int32)
         q = _rotated_query_storing_new_key(q_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                            v_scale_ptr, cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps,
-                                           slot_mapping_ptr, seq, seq_len, hi, kv_head, num_kv_heads, stride_slot,
-                                           HAS_NORM, NUM_Q_HEADS, HEAD_DIM, FP8)
+                                           slot_mapping_ptr, seq, seq_len, position, hi, kv_head, num_kv_heads,
+                                           stride_slot, HAS_NORM, NUM_Q_HEADS, HEAD_DIM, FP8)
     else:
         q = tl.load(q_row + heads[:, None] * stride_qh + dims[None, :], mask=row_mask[:, None], other=0.0)
     q = dot_operand(q, FP8)
@@ -281,15 +285,15 @@ def _decode_kernel(
 @triton.jit
 def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                    cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len,
-                                   hi, kv_head, num_kv_heads, stride_slot, HAS_NORM: tl.constexpr,
+                                   position, hi, kv_head, num_kv_heads, stride_slot, HAS_NORM: tl.constexpr,
                                    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    """The prologue inside a decode program, reading the fused qkv row of its sequence (at position seq_len - 1):
-    returns the group's queries normed and rotated; the program whose keys end at seq_len also norms and
-    rotates the new key, stores it and the new value in the cache slot (quantized with its head's scales into
-    an FP8 cache), and waits for the stores before its reads of the cache (a block barrier makes them visible
-    to the whole program)."""
+    """The prologue inside a decode program, reading the fused qkv row of its sequence (rotated at `position`:
+    seq_len - 1, or an M-RoPE model's shifted one): returns the group's queries normed and rotated; the program
+    whose keys end at seq_len also norms and rotates the new key, stores it and the new value in the cache slot
+    (quantized with its head's scales into an FP8 cache), and waits for the stores before its reads of the cache
+    (a block barrier makes them visible to the whole program)."""
     half = dims % (HEAD_DIM // 2)
-    cos_sin = cos_sin_ptr + (seq_len - 1).to(tl.int64) * stride_cs
+    cos_sin = cos_sin_ptr + position.to(tl.int64) * stride_cs
     cos = tl.load(cos_sin + half)
     signed_sin = tl.load(cos_sin + HEAD_DIM // 2 + half) * tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
     q = _normed_rotated(qkv_row + heads[:, None] * HEAD_DIM, row_mask[:, None], dims, q_norm_ptr, cos, signed_sin,
@@ -482,10 +486,10 @@ def decode_attention(q, k_cache, v_cache, meta, scale, num_splits=None, window=0
 
 def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, k_cache,
                          v_cache, meta, scale, num_splits=None, window=0, sinks=None, k_scale=None, v_scale=None,
-                         tiles=None):
+                         tiles=None, positions=None):
     """qkv_prologue (storing the new keys and values in the cache, quantized into an FP8 one) and
-    decode_attention in one launch, from the fused projection qkv [T, (n_q + 2 n_kv) D] at positions
-    meta.seq_lens - 1: one launch less per layer."""
+    decode_attention in one launch, from the fused projection qkv [T, (n_q + 2 n_kv) D] rotated at positions
+    meta.seq_lens - 1, or at `positions` [T] (an M-RoPE model's shifted ones): one launch less per layer."""
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"qkv_decode_attention needs qkv and a cos_sin_cache of width {head_dim} contiguous in "
@@ -493,7 +497,7 @@ def qkv_decode_attention(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_wei
     if k_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(f"k_cache has {k_cache.shape[2]} heads of {k_cache.shape[3]}, qkv {num_kv_heads} of "
                          f"{head_dim}")
-    prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping)
+    prologue = (cos_sin_cache, q_norm_weight, k_norm_weight, eps, meta.slot_mapping, positions)
     return _decode(qkv, num_heads, head_dim, qkv.stride(0), head_dim, k_cache, v_cache, meta, scale, num_splits,
                    window, sinks, (k_scale, v_scale), tiles, prologue)
 
@@ -517,7 +521,8 @@ def _gluon_takes(query_dtype, num_q_heads, head_dim, k_cache, num_seqs, window, 
 def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, meta, scale, num_splits, window, sinks,
             kv_scales, tiles, prologue=None):
     """The decode launch: q heads at q + token * stride_qt + head * stride_qh; with prologue (cos_sin_cache,
-    q and k norm weights or None, eps, slot_mapping), q is the fused qkv projection (see qkv_decode_attention).
+    q and k norm weights or None, eps, slot_mapping, positions or None), q is the fused qkv projection (see
+    qkv_decode_attention).
     With a window each sequence's programs read only its last `window` keys, split among them. kv_scales:
     (k_scale, v_scale) of an FP8 cache, (None, None) for another."""
     num_seqs = meta.seq_lens.shape[0]
@@ -544,7 +549,8 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         arrivals = arrival_counters(num_seqs * num_kv_heads, q.device)
-    cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping = prologue or (out, None, None, 0.0, out)
+    cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping, positions = prologue or (out, None, None, 0.0, out,
+                                                                                              None)
     block_tables = meta.block_tables
     ordered = meta.seq_order is not None
     fp8 = k_cache.dtype == FP8
@@ -557,13 +563,15 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
         stride_qt, stride_qh, out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
         cos_sin_cache, cos_sin_cache.stride(0), out if q_norm_weight is None else q_norm_weight,
         out if k_norm_weight is None else k_norm_weight, eps, slot_mapping,
+        slot_mapping if positions is None else positions,
         GROUP=group, GROUP_BLOCK=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         LENS_BLOCK=max(256, triton.next_power_of_2(num_seqs)),
         BALANCE=num_seqs * num_kv_heads >= _occupancy(q.device), SPLITS_BLOCK=triton.next_power_of_2(num_splits),
         ORDERED=ordered, PROLOGUE=prologue is not None, HAS_NORM=q_norm_weight is not None, NUM_Q_HEADS=num_q_heads,
         WINDOW=window > 0, HAS_SINKS=sinks is not None, FP8=fp8, PTX=fp8 and ptx_conversion(q),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(q),
+        HAS_POSITIONS=positions is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(q),
         **({"maxnreg": registers} if registers else {}),
     )
     return out

@@ -60,6 +60,7 @@ class Gemma3VisionEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.image_token_id = config.image_token_id
+        self.bidirectional_images = True  # an image's soft tokens attend to each other both ways in the decoder
         self.tokens_per_image = config.mm_tokens_per_image
         self.vision_tower = SiglipVisionTransformer(config.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(config)
@@ -68,6 +69,17 @@ class Gemma3VisionEncoder(nn.Module):
     def pixel_shape(self) -> tuple[int, int, int]:
         tower = self.vision_tower
         return (tower.num_channels, tower.image_size, tower.image_size)
+
+    def soft_token_count(self, pixel_values: Tensor | None, grid=None) -> int:
+        """Every image's number of soft tokens; ValueError when its pixels are not the tower's shape."""
+        if pixel_values is not None and tuple(pixel_values.shape) != self.pixel_shape:
+            raise ValueError(f"pixel values of shape {tuple(pixel_values.shape)}; the image encoder takes "
+                             f"{self.pixel_shape}")
+        return self.tokens_per_image
+
+    def embed_images(self, pixels: list[Tensor], grids=None) -> list[Tensor]:
+        """Each image's soft tokens [tokens_per_image, text hidden], the images encoded in one batch."""
+        return list(self(torch.stack(pixels)))
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         return self.multi_modal_projector(self.vision_tower(pixel_values))

@@ -9,6 +9,10 @@ names (models/loader.py):
 - Gemma 3 text: (1 + w) RMSNorms, norms after attention and the MLP as well as before, q/k norms, the
   attention scale from query_pre_attn_scalar, embeddings times sqrt(hidden), tanh-GELU, local and global
   layers with rope settings of their own, tied embeddings; final logit soft-capping where a config sets it.
+- Qwen2.5-VL text: Qwen2 with M-RoPE (models/rotary.py's mrope_rows): a prefill step with images passes
+  rope_positions [3, T], three position streams per token, and the rotary reads a row per token; every other
+  step passes shifted 1D positions (a request's text after its images continues from its last position + 1),
+  which the fused decode kernel then reads rather than each sequence's length - 1.
 - Qwen3-MoE: Qwen3 with a routed MLP (models/moe.py) on the layers is_moe_layer names, dense elsewhere.
 - gpt-oss: routed MLPs (biased router and experts, clamped SwiGLU, MXFP4 experts kept packed),
   attention sinks, alternating sliding and full layers, biases on q/k/v/o, YaRN rope.
@@ -53,7 +57,7 @@ from models.parallel_layers import (
 )
 from models.rotary import HeadLayout, RotaryEmbedding, head_layout, place_head_rows, rope_parameters, rotary_dim
 
-QKV_BIAS_MODEL_TYPES = ("qwen2",)
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_5_vl_text")
 SINK_MODEL_TYPES = ("gpt_oss",)  # a learned logit per query head in each softmax's denominator
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = ("gemma3_text",)  # RMSNorm scales by (1 + w): the weight loads as 1 + w
@@ -123,20 +127,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset) if has_qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, offset) if has_qk_norm else None
         self.rotary_emb = rotary
+        self.rotary_at_lengths = rotary.streams is None  # M-RoPE positions are shifted: not seq_lens - 1
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
         self.k_scale: Tensor | None = None  # an FP8 cache's float32 scales, one per KV head (set_kv_cache)
         self.v_scale: Tensor | None = None
 
-    def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata,
+                rope_positions: Tensor | None = None) -> Tensor:
         """q/k norm, rotary and the KV-cache store run as one fused prologue on the qkv projection (in the
-        attention kernel itself for a decode step on CUDA)."""
+        attention kernel itself for a decode step on CUDA). rope_positions: M-RoPE's [3, T] streams, whose
+        cos|sin rows the prologue then reads at `positions` (the rows' own indices)."""
         qkv, cos_sin = self.qkv_proj(x), self.rotary_emb.cos_sin_cache
+        if rope_positions is not None:
+            cos_sin = self.rotary_emb.mrope_rows(rope_positions)
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if self.k_cache is not None and meta.block_tables is not None:
             out = qkv_paged_attention(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
                                       self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks,
-                                      k_scale=self.k_scale, v_scale=self.v_scale)
+                                      k_scale=self.k_scale, v_scale=self.v_scale,
+                                      rotary_at_lengths=self.rotary_at_lengths)
         else:
             q, k, v = qkv_prologue(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, *norms,
                                    self.k_cache, self.v_cache, meta.slot_mapping,
@@ -205,7 +215,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(
-        self, positions: Tensor, x: Tensor, residual: Tensor | None, meta: AttentionMetadata
+        self, positions: Tensor, x: Tensor, residual: Tensor | None, meta: AttentionMetadata,
+        rope_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The residual stream is carried apart so each add fuses into the next norm: the layer returns its
         last block's output and the stream before it, added by the next layer's first norm (or the final one).
@@ -215,7 +226,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, rope_positions)
         if self.post_block_norms:
             x = self.post_attention_layernorm(x)
             x, residual = self.pre_feedforward_layernorm(x, residual)
@@ -241,8 +252,10 @@ class LlamaModel(nn.Module):
         self.aux_sink: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
-                image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                image_embeds: tuple[Tensor, Tensor] | None = None, rope_positions: Tensor | None = None) -> Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if rope_positions is not None:  # each token's rotary row is its own (Attention.forward)
+            positions = torch.arange(len(input_ids), device=input_ids.device)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if image_embeds is not None:  # (rows, their embeddings): an image's soft tokens, not scaled
@@ -253,7 +266,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if capture and i in self.aux_layers:
                 captured[i] = x if residual is None else x + residual
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, x, residual, meta, rope_positions)
         if capture:
             self.aux_sink(torch.cat([captured[i] for i in self.aux_layers], dim=-1), meta.slot_mapping)
         x, _ = self.norm(x, residual)
@@ -293,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
         self.kv_window = kv_window(layer_windows(config))
         max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.model = LlamaModel(config, layout, max_model_len, quant)
+        self.uses_mrope = self.model.layers[0].self_attn.rotary_emb.streams is not None  # M-RoPE: 3 position streams
         self.tie_word_embeddings = with_lm_head and bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if with_lm_head else None
         if self.tie_word_embeddings:
@@ -302,11 +316,12 @@ class LlamaForCausalLM(nn.Module):
             self._keep_ignored_unquantized(quant)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
-                image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                image_embeds: tuple[Tensor, Tensor] | None = None, rope_positions: Tensor | None = None) -> Tensor:
         """Hidden states [T, H] after the final norm, for the step's tokens packed as meta describes.
         image_embeds: (rows [R], embeddings [R, H]) that replace the token embeddings of those rows (the soft
-        tokens of images, models/gemma3_vision.py)."""
-        return self.model(input_ids, positions, meta, image_embeds)
+        tokens of images, models/gemma3_vision.py, models/qwen2_5_vision.py). rope_positions: an M-RoPE model's
+        [3, T] position streams, in place of positions (engine/mrope.py)."""
+        return self.model(input_ids, positions, meta, image_embeds, rope_positions)
 
     def set_aux_sink(self, layers: tuple[int, ...], sink: Callable[[Tensor, Tensor], None] | None) -> None:
         """Hands the residual stream entering each of `layers` (concatenated in that order, [T, len(layers) H])

@@ -60,10 +60,11 @@ DECODER_REWRITES = (
     (r"^(?!model\.|lm_head\.)", "model."),
     (r"\.weight_scale_inv$", ".weight_scale"),
 )
-# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector, static
+# Checkpoint tensors we do not load: rotary buffers, a multimodal checkpoint's vision tower and projector (Gemma 3)
+# or visual encoder (Qwen2.5-VL; saved without `model.` too, which the rewrites above prefix), static
 # FP8 activation scales (our FP8 GEMMs scale activations per token as they go), and attention scales (an FP8 KV
 # cache reads those of keys and values itself, models/kv_scales.py).
-DECODER_SKIPPED = (r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector)\.|\.input_scale$|"
+DECODER_SKIPPED = (r"rotary_emb\.inv_freq$|^model\.(vision_tower|multi_modal_projector|visual)\.|\.input_scale$|"
                    + ATTENTION_SCALE.pattern)
 
 

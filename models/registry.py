@@ -12,15 +12,17 @@ from transformers import AutoConfig
 # its image encoder beside it when VISION_ARCHITECTURES lists it),
 # and bare decoders (no head: embedding models saved as the base model).
 DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3MoeForCausalLM",
-            "GptOssForCausalLM")
+            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 # Cross-encoders: encoders with a sequence-classification head, which score text pairs (models/bert.py)
 CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                "XLMRobertaForSequenceClassification")
 ENCODERS = ("BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel", *CLASSIFIERS)
 SUPPORTED = DECODERS + BARE_DECODERS + ENCODERS
-VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)  # their image encoder is served too (not from a GGUF)
+# Their image encoder is served too (not from a GGUF): its module and class
+VISION_ARCHITECTURES = {"Gemma3ForConditionalGeneration": ("models.gemma3_vision", "Gemma3VisionEncoder"),
+                        "Qwen2_5_VLForConditionalGeneration": ("models.qwen2_5_vision", "Qwen2_5VisionEncoder")}
 
 
 @dataclass
@@ -29,7 +31,7 @@ class LoadedModel:
     hf_config: object  # a decoder's: the text config (of a multimodal checkpoint, its text_config)
     kind: str  # "decoder" | "encoder" | "classifier" (a cross-encoder)
     model_dir: str
-    vision: nn.Module | None = None  # a multimodal decoder's image encoder (models/gemma3_vision.py)
+    vision: nn.Module | None = None  # a multimodal decoder's image encoder (models/gemma3_vision.py, qwen2_5_vision.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -96,20 +98,26 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_
                            "classifier" if classifier else "encoder", model_path)
     model = build_decoder(hf_config, dtype, device, architecture in DECODERS, max_model_len, fp8_gemm)
     load_safetensors(model, model_path)
-    vision = load_vision(model_path, hf_config, dtype, device) if architecture in VISION_ARCHITECTURES else None
+    vision = load_vision(model_path, hf_config, architecture, dtype, device) if architecture in VISION_ARCHITECTURES \
+        else None
     return LoadedModel(model.eval(), hf_config.get_text_config(), "decoder", model_path, vision)
 
 
-def load_vision(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+def load_vision(model_dir: str, hf_config, architecture: str, dtype: torch.dtype, device: torch.device
+                ) -> nn.Module | None:
     """A multimodal checkpoint's image encoder (None under tensor parallelism, whose other ranks would have to
     follow each image step: such an engine serves the text decoder alone and refuses images)."""
-    from models.gemma3_vision import Gemma3VisionEncoder, checkpoint_names
+    import importlib
+
     from models.loader import iterate_safetensors, load_weights
     from models.parallel_layers import tp_size
 
     if tp_size() > 1:
         return None
+    module_name, class_name = VISION_ARCHITECTURES[architecture]
+    module = importlib.import_module(module_name)
     with torch.device(device), default_dtype(dtype):
-        encoder = Gemma3VisionEncoder(hf_config)
-    load_weights(encoder, iterate_safetensors(model_dir, lazy=True), source=model_dir, names=checkpoint_names())
+        encoder = getattr(module, class_name)(hf_config)
+    load_weights(encoder, iterate_safetensors(model_dir, lazy=True), source=model_dir,
+                 names=module.checkpoint_names())
     return encoder.eval()

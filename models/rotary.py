@@ -179,9 +179,22 @@ def place_head_rows(rows: Tensor, num_heads: int, source: Tensor, fill: float = 
     return placed.reshape(-1, *rows.shape[1:])
 
 
+def mrope_streams(layout: HeadLayout, sections: list[int]) -> Tensor:
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL): which of the three position streams (temporal, height, width) each column of
+    the cos|sin table reads. mrope_section splits the rotary frequencies into consecutive runs, the i-th read by
+    stream i % 3, as transformers recomposes them; pass-through columns read stream 0 (their cos 1, sin 0)."""
+    if sum(sections) != layout.rotary // 2:
+        raise ValueError(f"mrope_section {list(sections)} sums to {sum(sections)}; it must split the "
+                         f"{layout.rotary // 2} rotary frequencies of a {layout.head_dim}-dimension head")
+    streams = torch.zeros(layout.padded // 2, dtype=torch.int64)
+    streams[:layout.rotary // 2] = torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor(sections))
+    return torch.cat((streams, streams))
+
+
 class RotaryEmbedding(nn.Module):
     """Holds cos_sin_cache [max_positions, P] = cat(cos, sin) in float32 for a head laid out as `layout`
-    says; one instance per rope setting, shared by the layers that use it."""
+    says; one instance per rope setting, shared by the layers that use it. With mrope_section in the rope
+    settings, streams says which position stream each column reads (mrope_rows)."""
 
     def __init__(self, layout: HeadLayout, max_positions: int, params: dict, max_model_len: int):
         super().__init__()
@@ -191,3 +204,10 @@ class RotaryEmbedding(nn.Module):
         cos = nn.functional.pad(freqs.cos() * attention_factor, pad, value=1.0)
         sin = nn.functional.pad(freqs.sin() * attention_factor, pad, value=0.0)
         self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
+        sections = params.get("mrope_section")
+        self.register_buffer("streams", mrope_streams(layout, sections) if sections else None, persistent=False)
+
+    def mrope_rows(self, positions: Tensor) -> Tensor:
+        """A cos|sin row [T, P] per token of positions [3, T] (its temporal, height and width positions), each
+        column read at the stream's position that streams names: a table the kernels index by row."""
+        return self.cos_sin_cache.gather(0, positions[self.streams].T)

@@ -92,3 +92,37 @@ def greedy_with_images(model, prompt: list[int], pixel_values: torch.Tensor, max
                          output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+
+
+def graphs_that_hold_no_images(runner, monkeypatch) -> None:
+    """Gives a CPU runner what a CUDA one has once its warm-up is done: a captured graph for every prefill step's
+    size (a decode step runs eagerly here). A graph replays the forward it captured, which has no image rows and no
+    M-RoPE positions, so a step with images that picked one would compute wrong tokens: here its replay fails."""
+    from engine.cuda_graphs import GraphShape
+
+    def shape_for(num_tokens, as_rows=False):
+        total = sum(num_tokens)
+        return GraphShape(-(-total // 16) * 16, runner.graphs.max_num_seqs, False) if total > len(num_tokens) else None
+
+    def replay(shape):
+        raise AssertionError(f"a step replayed the CUDA graph of {shape}, which holds no image inputs")
+
+    monkeypatch.setattr(runner.graphs, "shape_for", shape_for)
+    monkeypatch.setattr(runner.graphs, "replay", replay)
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def generated(llm, prompts: list[list[int]], images: list[list], params) -> list[tuple[list[int], list[float]]]:
+    """The engine's tokens for each prompt with its images (engine/images.py's PromptImage), and the log-probability
+    of each."""
+    results = llm.generate(prompts, params, images=images)
+    return [(out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]) for out in results]
+
+
+def assert_same(got, expected) -> None:
+    """Equal tokens, and their log-probabilities within LOGPROB_TOLERANCE."""
+    (tokens, logprobs), (expected_tokens, expected_logprobs) = got, expected
+    assert tokens == expected_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < LOGPROB_TOLERANCE

@@ -4,8 +4,15 @@ split an image, and preempted; the image encoder equals transformers'; the prefi
 an image but nothing from an image on when the image differs."""
 import pytest
 import torch
-from test_graph_padding import with_eager_graphs
-from vision_models import IMAGE_SIZE, greedy_with_images, image_prompt, save_gemma3_vision
+from vision_models import (
+    IMAGE_SIZE,
+    assert_same,
+    generated,
+    graphs_that_hold_no_images,
+    greedy_with_images,
+    image_prompt,
+    save_gemma3_vision,
+)
 
 from engine import LLM, SamplingParams
 from engine.images import PromptImage, fit_chunk
@@ -13,7 +20,6 @@ from models import load_model
 
 NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +51,8 @@ def engine_images(pixels, indices) -> list[PromptImage]:
 
 
 def outputs(llm: LLM, prompts, pixels) -> list[tuple[list[int], list[float]]]:
-    results = llm.generate([prompt for prompt, _ in prompts], GREEDY,
-                           images=[engine_images(pixels, indices) for _, indices in prompts])
-    return [(out["token_ids"], [logprob for logprob, *_ in out["logprobs"]]) for out in results]
-
-
-def assert_same(got, expected) -> None:
-    (tokens, logprobs), (expected_tokens, expected_logprobs) = got, expected
-    assert tokens == expected_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < LOGPROB_TOLERANCE
+    return generated(llm, [prompt for prompt, _ in prompts], [engine_images(pixels, indices) for _, indices in prompts],
+                     GREEDY)
 
 
 def test_image_encoder_equals_transformers(checkpoint, pixels):
@@ -78,17 +77,6 @@ def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, ex
     assert llm.core.block_manager.num_free_blocks == llm.core.runner.num_blocks
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in graphs replay the forward; a GPU's are captured")
-def test_steps_with_images_run_eagerly_beside_the_graphs(checkpoint, pixels, prompts, expected):
-    """A graph replays its captured forward, which has no image rows: a prefill step that holds image tokens
-    runs eagerly (CPU stand-ins replay the forward on the graph's padded buffers, as a GPU does)."""
-    llm = LLM(checkpoint[0], dtype="float32")
-    graphs = with_eager_graphs(llm)
-    for got, want in zip(outputs(llm, prompts, pixels), expected):
-        assert_same(got, want)
-    assert any(graph.replays for graph in graphs.values())
-
-
 def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, prompts, expected):
     """Blocks of 4: the two blocks before the image (at 11..14) are shared; from the image's block on, only the
     same image hits."""
@@ -102,6 +90,15 @@ def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, pro
         hits = manager.num_hit_tokens
         (got,) = outputs(llm, [(prompt, indices)], pixels)
         assert manager.num_hit_tokens - hits == expected_hits
+        assert_same(got, want)
+
+
+def test_steps_with_images_run_eagerly(checkpoint, pixels, prompts, expected, monkeypatch):
+    """On CUDA every prefill size has a graph once the warm-up is done (after the first decode step): a later
+    prompt with an image must not replay one."""
+    llm = LLM(checkpoint[0], dtype="float32")
+    graphs_that_hold_no_images(llm.core.runner, monkeypatch)
+    for got, want in zip(outputs(llm, prompts, pixels), expected):
         assert_same(got, want)
 
 

@@ -182,6 +182,9 @@ def launch_attention(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         else:
             triton_attention.qkv_decode_attention(qkv, cos_sin, HEADS, KV_HEADS, *norms, 1e-6, k_cache, v_cache,
                                                   meta, scale, k_scale=k_scale, v_scale=v_scale)
+            triton_attention.qkv_decode_attention(qkv, cos_sin, HEADS, KV_HEADS, *norms, 1e-6, k_cache, v_cache,
+                                                  meta, scale, k_scale=k_scale, v_scale=v_scale,
+                                                  positions=torch.zeros(num_seqs, dtype=torch.int64))  # M-RoPE's
     k_cache, v_cache, k_scale, v_scale = caches(cache_dtype, head_dim=64)
     sinks = torch.empty(HEADS, dtype=dtype)
     for meta in (prefill, decode_meta(4, 1000)):

@@ -240,9 +240,10 @@ def test_window_and_sinks(window, q_lens, seq_lens, with_sinks):
 # ---- the fused decode: prologue, quantizing store and attention in one kernel ----------------------------------
 
 def check_fused_decode(contexts, num_q_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm, num_splits,
-                       window=0, with_sinks=False):
+                       window=0, with_sinks=False, shifted=False):
     """Against the reference's prologue storing into an FP8 cache, then its attention. The new tokens' slots hold
-    NaN until stored (row 2 is graph padding: slot -1, nothing stored); a window frees the blocks before it."""
+    NaN until stored (row 2 is graph padding: slot -1, nothing stored); a window frees the blocks before it.
+    shifted: the rotary positions are given, each before its slot's (an M-RoPE model's)."""
     q, k_cache, v_cache, meta, k_scale, v_scale = fp8_paged_batch([1] * len(contexts), contexts, num_q_heads,
                                                                   num_kv_heads, head_dim, block_size, dtype)
     qkv = torch.randn(len(contexts), (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
@@ -260,13 +261,14 @@ def check_fused_decode(contexts, num_q_heads, num_kv_heads, head_dim, block_size
     sinks = (2 * torch.randn(num_q_heads, device=DEVICE)).to(dtype) if with_sinks else None
     cos_sin = cos_sin_cache(max(contexts), head_dim)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    q, _, _ = reference.qkv_prologue(qkv, positions, cos_sin, num_q_heads, num_kv_heads, *norms, 1e-6, k_expected,
+    rotary = positions - positions // 2 if shifted else positions
+    q, _, _ = reference.qkv_prologue(qkv, rotary, cos_sin, num_q_heads, num_kv_heads, *norms, 1e-6, k_expected,
                                      v_expected, slots, False, k_scale, v_scale)
     expected = reference.paged_attention(q, k_expected, v_expected, meta, head_dim**-0.5, window, sinks, k_scale,
                                          v_scale)
     out = qkv_decode_attention(qkv, cos_sin, num_q_heads, num_kv_heads, *norms, 1e-6, k_cache, v_cache, meta,
                                head_dim**-0.5, num_splits=num_splits, window=window, sinks=sinks, k_scale=k_scale,
-                               v_scale=v_scale)
+                               v_scale=v_scale, positions=rotary if shifted else None)
     assert_close(out, expected, dtype)
     assert torch.equal(codes(v_cache), codes(v_expected))  # the values are copied: their codes are the reference's
     # The keys are normed and rotated first, which may round differently in the last bit: at most a neighbouring
@@ -282,6 +284,11 @@ def check_fused_decode(contexts, num_q_heads, num_kv_heads, head_dim, block_size
 def test_fused_decode(head_dim, num_q_heads, num_kv_heads, qk_norm, num_splits):
     check_fused_decode([1, 15, 16, 17, 65, 100], num_q_heads, num_kv_heads, head_dim, 16, torch.float32, qk_norm,
                        num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_decode_at_given_positions(num_splits):
+    check_fused_decode([1, 15, 16, 17, 65, 100], 4, 2, 64, 16, torch.float32, True, num_splits, shifted=True)
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
