@@ -12,6 +12,8 @@ before the model loads), so that a newer GPU runs the paths an older one takes a
 - e4m3: e4m3 conversions in hardware: FP8 weights stay FP8 (our Triton FP8 GEMM), the FP8 KV cache, and the
   attention kernels' PTX conversions; without it FP8 weights are dequantized and an FP8 KV cache is refused.
 - bfloat16: bfloat16 arithmetic; without it HFENDPOINT_DTYPE=auto means float16 and bfloat16 is refused.
+- mxfp4: MXFP4 experts read packed (tl.dot_scaled in kernels/triton_moe.py), which Triton lowers from Ampere on;
+  without it a model with MXFP4 experts is refused at load (dequantized, they would not fit such a GPU).
 
 The interpreter (TRITON_INTERPRET=1, which CI runs the kernels under on CPU tensors) runs no PTX or dependent
 launch but does read tensor descriptors (INTERPRETED): `has` answers for it so. Engine-level choices (dtype,
@@ -29,6 +31,7 @@ MIN_CAPABILITY = {
     "scaled_mm": (9, 0),
     "e4m3": (8, 9),
     "bfloat16": (8, 0),
+    "mxfp4": (8, 0),
 }
 FEATURES = tuple(MIN_CAPABILITY)
 KERNEL_FEATURES = ("descriptors", "dependent_launch", "gluon", "e4m3")  # what kernels/ asks per launch

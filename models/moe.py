@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels import Mxfp4Weight, routed_experts
+from kernels import Mxfp4Weight, gpu_features, routed_experts
 from kernels.mxfp4 import GROUP_SIZE
 from models.parallel_layers import ParallelModule, check_shape, copy_part, divide, read
 
@@ -80,6 +80,15 @@ def moe_spec(config) -> MoeSpec:
                        swiglu_limit=config.swiglu_limit,
                        checkpoint_layout="mxfp4" if method == "mxfp4" else "interleaved")
     raise ValueError(f"model type {config.model_type!r} has no routed MLP (supported: {', '.join(MOE_MODEL_TYPES)})")
+
+
+def require_mxfp4(device: torch.device) -> None:
+    """Refuses, at load rather than at the first step's compile, MXFP4 experts on a GPU that cannot read them."""
+    if device.type == "cuda" and not gpu_features.device_supports("mxfp4", device):
+        needed = ".".join(map(str, gpu_features.MIN_CAPABILITY["mxfp4"]))
+        has = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValueError(f"this model's experts are MXFP4, which needs compute capability {needed} or later "
+                         f"(an A10G, A100, L4 or newer); this GPU has {has}: deploy it on one of those")
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
@@ -253,6 +262,8 @@ class MoeMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.spec = spec = moe_spec(config)
+        if spec.checkpoint_layout == "mxfp4":
+            require_mxfp4(torch.get_default_device())
         self.router = Router(config.hidden_size, spec.num_experts, spec.bias)
         self.experts = Experts(spec, config.hidden_size)
 

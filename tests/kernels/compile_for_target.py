@@ -39,6 +39,7 @@ from kernels import (
     triton_sampling,
 )
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mxfp4 import GROUP_SIZE, Mxfp4Weight
 
 FP8 = torch.float8_e4m3fn
 
@@ -203,10 +204,10 @@ def launch_without_cache(dtype: torch.dtype) -> None:
         triton_attention.varlen_attention(q, k, v, cu_seqlens, 48, HEAD_DIM ** -0.5, causal)
 
 
-def launch_moe(dtype: torch.dtype) -> None:
+def launch_moe(dtype: torch.dtype, mxfp4: bool) -> None:
     """A mixture of experts' routing, sort and grouped GEMMs at decode and prefill sizes: SiLU (Qwen3-MoE) and
     gpt-oss's clamped SwiGLU with biases; and a single token's direct routing (route, then the GEMMs without the
-    sort), with and without biases."""
+    sort), with and without biases; where the GPU reads them, MXFP4 experts."""
     experts, hidden, inter, top_k = 8, 256, 128, 2
     w_gate_up, w_down = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter,
                                                                                           dtype=dtype)
@@ -220,6 +221,15 @@ def launch_moe(dtype: torch.dtype) -> None:
     triton_moe.routed_experts(torch.empty(1, hidden, dtype=dtype), router, None, top_k, True, w_gate_up, w_down)
     triton_moe.routed_experts(torch.empty(1, hidden, dtype=dtype), router, torch.empty(experts, dtype=dtype), top_k,
                               True, w_gate_up, w_down, *biases, "clamped_swiglu")
+    if mxfp4:  # gpt-oss's packed experts, sorted and direct
+        packed = [Mxfp4Weight(torch.empty(experts, rows, cols // 2, dtype=torch.uint8),
+                              torch.empty(experts, rows, cols // GROUP_SIZE, dtype=torch.uint8))
+                  for rows, cols in ((2 * inter, hidden), (hidden, inter))]
+        for tokens in (4, 128):
+            triton_moe.fused_moe(torch.empty(tokens, hidden, dtype=dtype), ids[:tokens], weights[:tokens], *packed,
+                                 *biases, "clamped_swiglu")
+        triton_moe.routed_experts(torch.empty(1, hidden, dtype=dtype), router, torch.empty(experts, dtype=dtype),
+                                  top_k, True, *packed, *biases, "clamped_swiglu")
 
 
 def launch_fp8_gemms(dtype: torch.dtype, scaled_mm: bool) -> None:
@@ -241,7 +251,7 @@ def launch_all(gpu: Gpu, disabled: frozenset[str]) -> None:
     e4m3 = gpu_features.supported("e4m3", gpu.capability, disabled)
     launch_layers(dtype)
     launch_without_cache(dtype)
-    launch_moe(dtype)
+    launch_moe(dtype, gpu_features.supported("mxfp4", gpu.capability, disabled))
     for cache_dtype in (dtype, FP8) if e4m3 else (dtype,):
         launch_attention(dtype, cache_dtype)
     if e4m3:

@@ -5,6 +5,7 @@ import torch
 from moe_testing import quantize_mxfp4
 
 from kernels.mxfp4 import dequantize_mxfp4
+from models.moe import require_mxfp4
 
 
 def test_dequantize_gives_the_quantized_values():
@@ -33,3 +34,13 @@ def test_dequantize_rejects_mismatched_scales():
         dequantize_mxfp4(blocks, torch.zeros(2, 3, dtype=torch.uint8), torch.float32)
     with pytest.raises(ValueError, match="must be uint8"):
         dequantize_mxfp4(blocks, torch.zeros(2, 4), torch.float32)
+
+
+def test_mxfp4_experts_are_refused_at_load_on_a_gpu_that_cannot_read_them(monkeypatch):
+    """A T4 (7.5) cannot compile tl.dot_scaled: refused when the model is built, naming what to deploy on."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"MXFP4, which needs compute capability 8\.0 .* this GPU has 7\.5"):
+        require_mxfp4(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    require_mxfp4(torch.device("cuda"))
+    require_mxfp4(torch.device("cpu"))
