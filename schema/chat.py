@@ -1,8 +1,9 @@
 """OpenAI's chat completion request (and the fields legacy completions share with it), as the handler serves it.
 
 A field left out (or null) is None unless a default is given; sampling fields left out take the model's defaults
-(generation_config.json) in the handler. Fields this server does not read are accepted and ignored by the
-Structs, except those the handler refuses by name (handler/output_plan.py).
+(generation_config.json) in the handler. A field this server does not know is refused, naming it and the
+fields it knows: nothing a client asks for is ignored silently. OpenAI's bookkeeping fields that change nothing
+in the reply (user, metadata, store, service_tier, prompt_cache_key, safety_identifier) are accepted.
 """
 import sys
 from typing import Annotated, Any, Literal
@@ -78,6 +79,8 @@ class Sampling(StreamFields):
     metadata: Map | None = None
     store: Boolean | None = None
     service_tier: String | None = None
+    prompt_cache_key: String | None = None
+    safety_identifier: String | None = None
 
     def __post_init__(self):
         if self.seed is not None and self.seed >= SEED_LIMIT:
@@ -161,7 +164,7 @@ class ResponseFormat(Struct):
     json_schema: described(JsonSchemaFormat, 'a map: {"name": ..., "schema": {...}}') | None = None
 
 
-class ChatCompletionRequest(Sampling, kw_only=True):
+class ChatCompletionRequest(Sampling, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[described(Message, "a map with role and content")],
                         Meta(min_length=1, description="a non-empty list of messages")]
     max_completion_tokens: MaxTokens | None = None

@@ -9,7 +9,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 MAX_LOGPROBS = 5  # OpenAI's legacy limit
 
 
-class CompletionRequest(Sampling, kw_only=True):
+class CompletionRequest(Sampling, kw_only=True, forbid_unknown_fields=True):
     prompt: Annotated[str | list, Meta(description="a string, a list of strings, a list of token ids or a list of "
                                                    "lists of token ids")]
     echo: Boolean = False

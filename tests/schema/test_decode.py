@@ -65,3 +65,12 @@ def test_what_decodes_keeps_its_values_and_types():
     assert request.stop_strings() == ("x",) and request.tool_choice.function.name == "f"
     assert request.messages[0].speaker == "user" and decode({"messages": [{}]}, ChatCompletionRequest).messages[
         0].speaker == "user"
+
+
+@pytest.mark.parametrize("kind, data", [(ChatCompletionRequest, USER), (CompletionRequest, {"prompt": "x"})])
+def test_a_field_the_server_does_not_know_is_refused_not_ignored(kind, data):
+    error = refusal({**data, "prediction": {"type": "content", "content": "x"}}, kind)
+    assert error.param == "prediction"
+    assert str(error).startswith("prediction is not supported here; leave it out (supported: ")
+    assert "temperature" in str(error)
+    decode({**data, "user": "u", "prompt_cache_key": "k", "safety_identifier": "s"}, kind)  # bookkeeping only
