@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from transformers import LlamaConfig
 
 from kernels import rms_norm
 from models.rotary import RotaryEmbedding, head_layout, rope_parameters
@@ -37,8 +36,12 @@ from models.rotary import RotaryEmbedding, head_layout, rope_parameters
 WEIGHT_PREFIXES = ("model.", "midlayer.", "layers.0.")  # stripped in this order: a layer's names as ours
 
 
-def read_head_config(path: str) -> LlamaConfig:
-    """The head's config.json; ValueError saying what is missing."""
+def read_head_config(path: str):
+    """The head's config.json (a transformers LlamaConfig); ValueError saying what is missing. transformers'
+    Llama modules are imported here, not with the engine: they pull torch.distributed's tensor ops, a second of
+    every start-up."""
+    from transformers import LlamaConfig
+
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} holds no config.json: give the directory of an EAGLE-3 draft head checkpoint")
     config = LlamaConfig.from_pretrained(path)
