@@ -27,6 +27,7 @@ class FakeModel(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))  # the runner reads device and dtype from the parameters
         self.lm_head = True
         self.kv_window = 0  # no sliding window: every block stays readable
+        self.uses_mrope = False  # one position per token
         self.hidden = torch.zeros(max_tokens, HIDDEN)
         self.logits = torch.zeros(max_rows, 1)
 

@@ -12,6 +12,7 @@ from front.scoring import rerank_results
 from handler.chat import RequestError
 from handler.service import Service
 from handler.tokenizer import load_tokenizer
+from schema.scoring import RerankBody
 
 QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "rome is the capital of italy",
@@ -42,7 +43,8 @@ def test_scores_and_ranking_equal_cross_encoder(cross_encoder):
     expected = reference.predict([(QUERY, document) for document in DOCUMENTS])
     assert reply["scores"] == pytest.approx(expected.tolist(), abs=1e-5)
     assert len(set(round(s, 3) for s in reply["scores"])) == len(DOCUMENTS), "the scores tell documents apart"
-    ranking = [result["index"] for result in rerank_results(reply["scores"], DOCUMENTS, 3, True)]
+    top_three = rerank_results(reply["scores"], DOCUMENTS, RerankBody(QUERY, DOCUMENTS, top_n=3))
+    ranking = [result["index"] for result in top_three]
     assert ranking == sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])[:3]
     raw = score(service, {"text_1": [QUERY] * 2, "text_2": DOCUMENTS[:2], "raw_scores": True})["scores"]
     logits = reference.predict([(QUERY, document) for document in DOCUMENTS[:2]], activation_fn=torch.nn.Identity())
