@@ -79,8 +79,9 @@ class EngineCore:
         return seq
 
     def check_images(self, prompt_token_ids: list[int], images: list[PromptImage]) -> None:
-        """Places the images on their runs of image tokens; ValueError when the model reads no images, or they
-        and the prompt do not match, or an image's pixels (and grid) do not fit the encoder."""
+        """Places the images on their runs of image tokens; PromptRejected when they and the prompt do not match or
+        an image takes more tokens than a step; ValueError when the model reads no images or an image's pixels (and
+        grid) do not fit the encoder (what the handler's processor made: ours to fix)."""
         vision = self.runner.vision
         if vision is None:
             if images:
@@ -93,8 +94,8 @@ class EngineCore:
             except ValueError as exc:
                 raise ValueError(f"image {i}: {exc}") from None
         place_images(prompt_token_ids, images, vision.image_token_id, lengths)
-        if images and max(lengths) > self.max_num_batched_tokens:
-            raise ValueError(f"an image is {max(lengths)} tokens, more than the step budget "
+        if images and max(lengths) > self.max_num_batched_tokens:  # a large image at a high max_pixels
+            raise PromptRejected(f"an image is {max(lengths)} tokens, more than the step budget "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: raise it to serve images")
 
     def add(self, seq: Sequence) -> None:

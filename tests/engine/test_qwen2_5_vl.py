@@ -14,7 +14,7 @@ from qwen_vl_models import greedy_with_images, image_prompt, random_patches, sav
 from safetensors.torch import load_file, save_file
 from vision_models import assert_same, generated, graphs_that_hold_no_images
 
-from engine import LLM, SamplingParams
+from engine import LLM, PromptRejected, SamplingParams
 from engine.images import PromptImage
 from engine.mrope import prompt_rope_positions
 from models import load_model
@@ -146,8 +146,11 @@ def test_images_must_match_their_grids_and_runs(reference, patches, prompts):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[0], GRIDS[1])]])
     with pytest.raises(ValueError, match="image 0: an image needs its patch grid"):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[0])]])
-    with pytest.raises(ValueError, match="run of image tokens is 15 long; the model reads 8"):
+    with pytest.raises(PromptRejected, match="run of image tokens is 15 long; the model reads 8"):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[1], GRIDS[1])]])
+    small = LLM(reference[0], dtype="float32", max_num_batched_tokens=8)  # the client's fault: a 400, not a 500
+    with pytest.raises(PromptRejected, match="an image is 15 tokens, more than the step budget"):
+        small.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(patches[0], GRIDS[0])]])
 
 
 TRITON_CHECK = textwrap.dedent(
