@@ -19,9 +19,9 @@ So speculation backs off by itself, per step:
 - otherwise a step drafts when it is expected to make tokens faster: per batch-size class (batches of
   2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not overlapped,
   a row per draft token) and without, and a step drafts when (requests + their draft gains) / drafting
-  seconds beats requests / plain seconds by a margin (each switch between the two costs a step its overlap,
-  which neither measurement sees). Timing the two kinds of step apart, rather than tokens per second
-  of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from condemning
+  seconds beats requests / plain seconds by a margin. Each kind is timed over its runs of consecutive steps,
+  switches included (StepTimer). Timing the two kinds of step apart, rather than tokens per second of each
+  mode, keeps a phase where the drafter finds nothing (the start of an answer) from condemning
   drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
   step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
   after one that gained none.
@@ -37,7 +37,8 @@ ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance a
 MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below which a step does not draft
 PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
 PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
-SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be: a switch of mode costs a step its overlap
+SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be, against measurement noise
+REFRESH_STEPS = 32       # a long run of one kind of step is recorded in parts of this many steps
 NO_SPECULATION = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}  # the stats of an engine that never drafts
 DRAFT_GAIN = operator.attrgetter("draft_gain")
 
@@ -76,6 +77,42 @@ class StepPeriods:
         self.probe_after = PROBE_AFTER_STEPS if gained else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
 
 
+class StepTimer:
+    """Seconds per step of each run of consecutive decoding steps of one kind (drafting or plain), recorded in the
+    batch class's StepPeriods when the run ends, or every REFRESH_STEPS steps. A run is timed from the end of the
+    step before it to the end of its last step: with overlap, the first plain step after a drafting one launches
+    two forwards and the last one before a drafting step launches none, so one step's own period says little of
+    its kind, while a run's total holds what each kind costs, its switches included."""
+
+    def __init__(self):
+        self.kind: bool | None = None  # the kind of the run being timed (True: drafting); None: none is
+        self.started = self.ended = 0.0
+        self.last_end: float | None = None  # when the last step ended
+        self.steps = 0
+        self.periods: StepPeriods | None = None  # where the run is recorded: its last step's batch class
+
+    def step(self, periods: StepPeriods, drafting: bool, decoding: bool) -> None:
+        now = time.perf_counter()
+        if not decoding or drafting is not self.kind or self.steps >= REFRESH_STEPS:
+            self.close()
+            if decoding and self.last_end is not None:
+                self.kind, self.started, self.steps = drafting, self.last_end, 0
+        if self.kind is not None:
+            self.steps += 1
+            self.ended, self.periods = now, periods
+        self.last_end = now
+
+    def interrupt(self) -> None:
+        """A step that is not timed (a batch too large to draft): the run ends, the next starts after it."""
+        self.close()
+        self.last_end = time.perf_counter()
+
+    def close(self) -> None:
+        if self.kind is not None and self.steps:
+            self.periods.record(self.kind, (self.ended - self.started) / self.steps)
+        self.kind = None
+
+
 class Speculator:
     def __init__(self, method: str, max_draft_tokens: int, max_rows: int, drafter=None):
         """max_rows: the most rows a decode step has (max_num_seqs): a step's drafts are cut to fit its requests'
@@ -86,8 +123,7 @@ class Speculator:
         self.adaptive = True  # False: every step drafts (tests)
         self.periods: dict[int, StepPeriods] = {}
         self.num_drafted = self.num_accepted = 0
-        self.last_step_end: float | None = None
-        self.last_mode: bool | None = None
+        self.timer = StepTimer()
 
     def decide(self, running: list[Sequence]) -> bool:
         """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
@@ -148,20 +184,16 @@ class Speculator:
             seq.draft_gain = ACCEPTANCE_MEMORY * seq.draft_gain + (1 - ACCEPTANCE_MEMORY) * accepted
 
     def step_done(self, num_running: int, drafting: bool, decoding: bool, num_tokens: int) -> None:
-        """Measures a finished step: its seconds since the last one ended, recorded for its batch size and kind
-        when it only decoded and the step before was of the same kind (a switch's first step pays for the
-        switch); a drafting step tells when to probe next by whether it gained tokens."""
-        now = time.perf_counter()
+        """Times a finished step (StepTimer); a drafting step tells when to probe next by whether it gained
+        tokens."""
         periods = self._periods(num_running)
-        if decoding and self.last_mode is drafting and self.last_step_end is not None:
-            periods.record(drafting, now - self.last_step_end)
         if drafting:
             periods.drafted(num_tokens - num_running >= MIN_EXPECTED_GAIN * num_running)
-        self.last_step_end, self.last_mode = now, drafting if decoding else None
+        self.timer.step(periods, drafting, decoding)
 
     def step_skipped(self) -> None:
-        """A step of a batch too large to draft: the next step's time is not measured from its end."""
-        self.last_mode = None
+        """A step of a batch too large to draft."""
+        self.timer.interrupt()
 
     def _periods(self, num_running: int) -> StepPeriods:
         """The step periods of a batch of this size (made on first use)."""

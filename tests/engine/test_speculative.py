@@ -25,7 +25,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import Speculator, StepPeriods
+from engine.speculation import Speculator, StepPeriods, StepTimer
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from random_decoders import TINY
@@ -346,6 +346,21 @@ def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
     assert [periods.drafting_pays(4, 0.0) for _ in range(16)].count(True) == 1, "a probe that gained: soon again"
     periods.record(True, 1.0)
     assert periods.drafting_pays(4, 7.5) is True, "once drafting steps get cheaper, it runs"
+
+
+def test_each_kind_of_step_is_timed_over_its_runs_switches_included(monkeypatch):
+    """With overlap a plain run after a drafting step pays a double step first and a near-empty one last: a
+    run's average holds the cost of its kind; timing steps one by one would call plain steps twice as fast."""
+    clock = iter([0.0, 0.08, 0.12, 0.1201, 0.1801, 0.2601, 0.3001])
+    monkeypatch.setattr("engine.speculation.time.perf_counter", lambda: next(clock))
+    periods, timer = StepPeriods(), StepTimer()
+    timer.step(periods, drafting=True, decoding=False)  # a prefill step: nothing to time
+    for drafting in (False, False, False, True, False, False):  # ends at 0.08, 0.12, 0.1201, 0.1801, ...
+        timer.step(periods, drafting, decoding=True)
+    assert periods.seconds[False] == pytest.approx(0.1201 / 3)
+    assert periods.seconds[True] == pytest.approx(0.06)
+    timer.close()
+    assert periods.seconds[False] == pytest.approx(0.7 * 0.1201 / 3 + 0.3 * 0.06)
 
 
 def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
