@@ -38,7 +38,8 @@ MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below whic
 PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
 PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
 SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be, against measurement noise
-REFRESH_STEPS = 32       # a long run of one kind of step is recorded in parts of this many steps
+REFRESH_STEPS = 32       # a long run of one kind of step is recorded in parts of this many steps,
+FIRST_STEPS = 4          # and of this many while its batch class has no time for that kind yet
 NO_SPECULATION = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}  # the stats of an engine that never drafts
 DRAFT_GAIN = operator.attrgetter("draft_gain")
 
@@ -78,11 +79,12 @@ class StepPeriods:
 
 
 class StepTimer:
-    """Seconds per step of each run of consecutive decoding steps of one kind (drafting or plain), recorded in the
-    batch class's StepPeriods when the run ends, or every REFRESH_STEPS steps. A run is timed from the end of the
-    step before it to the end of its last step: with overlap, the first plain step after a drafting one launches
-    two forwards and the last one before a drafting step launches none, so one step's own period says little of
-    its kind, while a run's total holds what each kind costs, its switches included."""
+    """Seconds per step of each run of consecutive decoding steps of one kind (drafting or plain), recorded in
+    the batch class's StepPeriods when the run ends, or every REFRESH_STEPS steps (FIRST_STEPS at first). A run
+    is timed from the end of the step before it to the end of its last step: with overlap, the first plain step
+    after a drafting one launches two forwards and the last one before a drafting step launches none, so one
+    step's own period says little of its kind, while a run's total holds what each kind costs, its switches
+    included."""
 
     def __init__(self):
         self.kind: bool | None = None  # the kind of the run being timed (True: drafting); None: none is
@@ -93,7 +95,7 @@ class StepTimer:
 
     def step(self, periods: StepPeriods, drafting: bool, decoding: bool) -> None:
         now = time.perf_counter()
-        if not decoding or drafting is not self.kind or self.steps >= REFRESH_STEPS:
+        if not decoding or drafting is not self.kind or self.steps >= self.run_length(periods):
             self.close()
             if decoding and self.last_end is not None:
                 self.kind, self.started, self.steps = drafting, self.last_end, 0
@@ -101,6 +103,10 @@ class StepTimer:
             self.steps += 1
             self.ended, self.periods = now, periods
         self.last_end = now
+
+    def run_length(self, periods: StepPeriods) -> int:
+        """Steps after which a run is recorded: soon while its kind is unmeasured, as the choice waits for it."""
+        return REFRESH_STEPS if self.kind in periods.seconds else FIRST_STEPS
 
     def interrupt(self) -> None:
         """A step that is not timed (a batch too large to draft): the run ends, the next starts after it."""

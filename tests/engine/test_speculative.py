@@ -25,7 +25,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import Speculator, StepPeriods, StepTimer
+from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from random_decoders import TINY
@@ -361,6 +361,19 @@ def test_each_kind_of_step_is_timed_over_its_runs_switches_included(monkeypatch)
     assert periods.seconds[True] == pytest.approx(0.06)
     timer.close()
     assert periods.seconds[False] == pytest.approx(0.7 * 0.1201 / 3 + 0.3 * 0.06)
+
+
+
+def test_a_kind_not_yet_timed_is_recorded_after_a_few_steps(monkeypatch):
+    """The choice waits for both kinds' times: an unmeasured kind's run is recorded after FIRST_STEPS steps."""
+    monkeypatch.setattr("engine.speculation.time.perf_counter", iter(range(100)).__next__)
+    periods, timer = StepPeriods(), StepTimer()
+    timer.step(periods, drafting=False, decoding=False)
+    for _ in range(FIRST_STEPS):
+        timer.step(periods, drafting=True, decoding=True)
+    assert True not in periods.seconds
+    timer.step(periods, drafting=True, decoding=True)
+    assert periods.seconds[True] == 1
 
 
 def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
