@@ -193,13 +193,14 @@ class EngineCore:
         if not self.speculator.may_draft(len(launched.seqs)):
             self.speculator.step_skipped()
             return
+        num_running = len(launched.seqs)
         if drafting:
             decoding = decoding_only(launched.seqs, launched.num_tokens)
-            num_tokens = sum(len(tokens) if isinstance(tokens, list) else tokens is not None for tokens in sampled)
-        else:  # no request verifies a draft: a decoding step computes one token per request
-            decoding = launched.num_tokens.count(1) == len(launched.num_tokens)
-            num_tokens = len(sampled) - sampled.count(None)
-        self.speculator.step_done(len(launched.seqs), drafting, decoding, num_tokens)
+            gained = sum(len(tokens) if isinstance(tokens, list) else tokens is not None
+                         for tokens in sampled) - num_running
+        else:  # no request verifies a draft: a decoding step computes one token per request, gains none
+            decoding, gained = launched.num_tokens.count(1) == num_running, 0
+        self.speculator.step_done(num_running, drafting, decoding, gained)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
         failed = [seq for seq in seqs if not seq.is_finished]

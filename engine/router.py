@@ -10,6 +10,8 @@ Load is the number of requests in flight on an engine, counted here from submiss
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.block_manager import hash_block
+
 
 @dataclass(frozen=True)
 class Balance:
@@ -21,10 +23,11 @@ class Balance:
 
 
 def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks: equal hashes at position i mean equal first i + 1 blocks."""
+    """Chained hashes of the prompt's full blocks, as the engines' block managers chain them: equal hashes at
+    position i mean equal first i + 1 blocks."""
     hashes, parent = [], 0
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        parent = hash_block(parent, tokens[start:start + block_size])
         hashes.append(parent)
     return hashes
 

@@ -189,12 +189,12 @@ class Speculator:
             seq.acceptance = ACCEPTANCE_MEMORY * seq.acceptance + (1 - ACCEPTANCE_MEMORY) * accepted / drafted
             seq.draft_gain = ACCEPTANCE_MEMORY * seq.draft_gain + (1 - ACCEPTANCE_MEMORY) * accepted
 
-    def step_done(self, num_running: int, drafting: bool, decoding: bool, num_tokens: int) -> None:
+    def step_done(self, num_running: int, drafting: bool, decoding: bool, gained: int) -> None:
         """Times a finished step (StepTimer); a drafting step tells when to probe next by whether it gained
-        tokens."""
+        tokens (gained: its tokens beyond one a request)."""
         periods = self._periods(num_running)
         if drafting:
-            periods.drafted(num_tokens - num_running >= MIN_EXPECTED_GAIN * num_running)
+            periods.drafted(gained >= MIN_EXPECTED_GAIN * num_running)
         self.timer.step(periods, drafting, decoding)
 
     def step_skipped(self) -> None:
