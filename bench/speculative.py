@@ -123,12 +123,15 @@ def random_workload(batch: int, max_tokens: int) -> tuple[list[list[int]], list[
     return prompts[:batch], params[:batch]
 
 
-def run(llm: LLM, mode: str, k: int, prompts, params) -> dict:
-    """mode: off, a drafter, or off/4 (speculation off, the prompts in four batches one after the other)."""
+def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params) -> dict:
+    """mode: off, a drafter, or off/4 (speculation off, the prompts in four batches one after the other). A
+    drafter's Speculator lives across runs, as a server's does across requests: the step periods it measured
+    in the warm-up and earlier runs keep deciding, so a run does not pay for learning them again."""
     core = llm.core
-    core.speculator = None if mode.startswith("off") else Speculator(mode, k, llm.config.max_num_seqs)
+    core.speculator = speculators.get(mode)
     core.draft_next = False  # the mode before may have left a drafting step to come
     core.block_manager.reset_prefix_cache()
+    before = core.stats()
     groups = 4 if mode == "off/4" else 1
     size = -(-len(prompts) // groups)
     synchronize()
@@ -138,16 +141,26 @@ def run(llm: LLM, mode: str, k: int, prompts, params) -> dict:
     seconds = time.perf_counter() - started
     tokens = sum(len(out["token_ids"]) for out in outputs)
     stats = core.stats()
-    drafted, accepted = stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]
+    drafted, accepted = (stats[key] - before[key] for key in ("spec_drafted_tokens", "spec_accepted_tokens"))
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "acceptance": accepted / drafted if drafted else 0.0, "drafted_per_token": drafted / tokens,
-            "outputs": [out["token_ids"] for out in outputs]}
+            "outputs": [out["token_ids"] for out in outputs], "periods": step_periods(core.speculator)}
+
+
+def step_periods(speculator: Speculator | None) -> str:
+    """The plain / drafting step milliseconds the speculator measured per batch class (what it decides by)."""
+    if speculator is None:
+        return ""
+    return " ".join(f"{(1 << b) >> 1}:" + "/".join(f"{1e3 * p.seconds[kind]:.2f}" if kind in p.seconds
+                                                          else "-" for kind in (False, True))
+                    for b, p in sorted(speculator.periods.items()))
 
 
 def median_runs(llm: LLM, modes: list[str], args, prompts, params) -> dict[str, dict]:
     """Each mode's run of median tokens per second over --runs rounds, the modes taking turns in each round (so
     that a drift of the GPU's clocks or the host's load falls on all of them)."""
-    rounds = [{mode: run(llm, mode, args.k, prompts, params) for mode in modes} for _ in range(args.runs)]
+    rounds = [{mode: run(llm, mode, args.speculators, prompts, params) for mode in modes}
+              for _ in range(args.runs)]
     return {mode: sorted((r[mode] for r in rounds), key=lambda result: result["tok_s"])[args.runs // 2]
             for mode in modes}
 
@@ -187,9 +200,10 @@ def workloads_table(args) -> None:
     llm = LLM(args.model or packaged_smollm2(), speculative=f"ngram:k={args.k}", max_num_seqs=max(args.batches))
     warm_lm_head(llm, args.k)
     modes = ["off", *args.methods]
+    args.speculators = {method: Speculator(method, args.k, llm.config.max_num_seqs) for method in args.methods}
     for mode in modes:  # warm-up: kernels of every step shape these modes make
-        run(llm, mode, args.k, *copy_workload(llm, 8, 64))
-        run(llm, mode, args.k, *random_workload(8, 64))
+        run(llm, mode, args.speculators, *copy_workload(llm, 8, 64))
+        run(llm, mode, args.speculators, *random_workload(8, 64))
     rows = []
     for name in args.workloads:
         for batch in args.batches:
@@ -203,7 +217,7 @@ def workloads_table(args) -> None:
                 rows.append((name, batch, mode, result["tokens"], result["seconds"], result["tok_s"],
                              result["tok_s"] / base["tok_s"], 100 * result["acceptance"],
                              result["drafted_per_token"], same))
-                print(*rows[-1], flush=True)
+                print(*rows[-1], result["periods"], flush=True)
     print(f"\n{'workload':8} {'batch':>5} {'mode':6} {'tokens':>7} {'s':>7} {'tok/s':>9} {'vs off':>6} "
           f"{'accept%':>7} {'draft/tok':>9} greedy")
     for row in rows:

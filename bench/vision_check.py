@@ -25,6 +25,7 @@ from logits_check import MARGIN, compare, engine_logits
 from random_model import HERE, make_random_model
 
 RANDOM_MODELS = ("gemma3-4b", "qwen2_5-vl-7b")  # bench/models whose random weights this check draws
+DECODE_ROUNDS = 3  # decode runs of each kind, taking turns, so that warm-up or clock drift falls on both
 
 
 def random_model(args) -> str:
@@ -198,13 +199,15 @@ def main():
     image = functools.partial(prompt_image, config, pixels, size)  # a fresh PromptImage per request
     ttft_image = time_to_first_token(llm, prompt, image, args.device, args.repeats)
     ttft_text = time_to_first_token(llm, text_prompt, None, args.device, args.repeats)
-    rate_image = decode_throughput(llm, [image_prompt(config, args.text_len, size) for _ in range(args.batch)], image,
-                                   args.new, args.device)
-    rate_text = decode_throughput(llm, [[randint(2, text_bound(config)) for _ in range(len(prompt))]
-                                        for _ in range(args.batch)], None, args.new, args.device)
+    image_prompts = [image_prompt(config, args.text_len, size) for _ in range(args.batch)]
+    text_prompts = [[randint(2, text_bound(config)) for _ in range(len(prompt))] for _ in range(args.batch)]
+    rates = [(decode_throughput(llm, image_prompts, image, args.new, args.device),
+              decode_throughput(llm, text_prompts, None, args.new, args.device)) for _ in range(DECODE_ROUNDS)]
+    rate_image, rate_text = (statistics.median(kind) for kind in zip(*rates))
     print(f"time to first token, {len(prompt)}-token prompt: one image {ttft_image * 1000:.1f} ms, text only "
           f"{ttft_text * 1000:.1f} ms")
-    print(f"decode, {args.batch} requests of {len(prompt)} + {args.new} tokens: with an image each "
+    print(f"decode, {args.batch} requests of {len(prompt)} + {args.new} tokens, median of {DECODE_ROUNDS} runs: "
+          f"with an image each "
           f"{rate_image:.0f} tok/s, text only {rate_text:.0f} tok/s")
 
 

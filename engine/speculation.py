@@ -16,13 +16,13 @@ So speculation backs off by itself, per step:
   draft token, all of them would lose the overlap) and costs the speculator nothing per step: no
   measurement, no loop over its requests, no drafter bookkeeping (a drafter learns a request's tokens only
   when it proposes for it);
-- otherwise a step drafts when it is expected to make tokens faster: per batch-size class (batches of
-  2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not overlapped,
-  a row per draft token) and without, and a step drafts when (requests + their draft gains) / drafting
-  seconds beats requests / plain seconds by a margin. Each kind is timed over its runs of consecutive steps,
-  switches included (StepTimer). Timing the two kinds of step apart, rather than tokens per second of each
-  mode, keeps a phase where the drafter finds nothing (the start of an answer) from condemning
-  drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
+- otherwise a step drafts when it is expected to make the typical request faster: per batch-size class
+  (batches of 2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not
+  overlapped, a row per draft token) and without, and a step drafts when one token plus the median request's
+  draft gain per drafting step beats one token per plain step by a margin. Each kind is timed over its runs
+  of consecutive steps, switches included (StepTimer). Timing the two kinds of step apart, rather than
+  tokens per second of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from
+  condemning drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
   step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
   after one that gained none.
 """
@@ -137,7 +137,7 @@ class Speculator:
             return True
         if not self.may_draft(len(running)):
             return False
-        return self._periods(len(running)).drafting_pays(len(running), sum(map(DRAFT_GAIN, running)))
+        return self._periods(len(running)).drafting_pays(len(running), typical_gain(running))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
@@ -211,6 +211,15 @@ class Speculator:
 
     def stats(self) -> dict:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
+
+
+def typical_gain(running: list[Sequence]) -> float:
+    """The draft tokens a step is expected to gain in all, counted as if every request gained as much as the
+    median one: a drafting step slows every request of the batch, so tokens that a few requests (an answer
+    looping, a quote) gain fast do not pay for the others waiting longer; the batch's slowest requests set when
+    it is done."""
+    gains = sorted(map(DRAFT_GAIN, running))
+    return len(gains) * gains[len(gains) // 2] if gains else 0.0
 
 
 def set_draft(seq: Sequence, draft: list[int]) -> None:

@@ -107,6 +107,7 @@ class StepBuffers:
     def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device, shifted_positions: bool = False):
         self.block_size, self.max_model_len = config.block_size, max_model_len
         self.shifted_positions = shifted_positions
+        self.verifies_drafts = config.num_speculative_tokens > 0  # decode steps may be verification rows
         self.max_blocks_per_seq = width = -(-max_model_len // config.block_size)
         max_rows = config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, max_rows)
@@ -237,7 +238,7 @@ class StepBuffers:
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables,
             max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, is_decode=staged.is_decode,
-            seq_order=order)
+            seq_order=order, rows_read_each_other=self.verifies_drafts and staged.is_decode)
         return StepInputs(ids, pos, meta, slice(0, num_logits) if staged.logits_lead else logits, staged.sample_rows)
 
     def restage(self, staged: StagedStep) -> None:

@@ -277,11 +277,12 @@ def qkv_paged_attention(
     paged_attention (with its window and sinks): q [T, n_q, D] attended. A decode step on CUDA runs both in the
     decode attention kernel (one launch less per layer; Triton's qkv_decode_attention), unless the Gluon kernel
     (large batches over an FP8 cache: kernels/gluon_decode.py) or flash-attn (_flash_attn_reads) takes its
-    attention. rotary_at_lengths: the positions are each sequence's length - 1, which that kernel reads itself;
-    False (an M-RoPE model's shifted positions): it reads them from `positions`."""
+    attention, or the step's rows read each other's keys (meta.rows_read_each_other: that kernel's programs
+    store only their own row's). rotary_at_lengths: the positions are each sequence's length - 1, which that
+    kernel reads itself; False (an M-RoPE model's shifted positions): it reads them from `positions`."""
     _check_window_and_sinks(window, sinks, num_heads, causal=True)
     backend = _backend_of(qkv)
-    if (meta.is_decode and backend.fused_decode is not None
+    if (meta.is_decode and backend.fused_decode is not None and not meta.rows_read_each_other
             and not backend.decodes_apart(qkv, num_heads, k_cache, meta, window, sinks)):
         check_kv_scales(k_cache, v_cache, k_scale, v_scale)
         return backend.fused_decode(qkv, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps,

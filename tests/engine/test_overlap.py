@@ -13,8 +13,10 @@ NEW = 24
 
 
 def overlapped(llm_or_worker):
-    """Turns overlap on; returns a list that records, per launch, whether it went on from a step in flight."""
+    """Turns overlap on; returns a list that records, per launch, whether it went on from a step in flight. The
+    warm-up (CUDA graphs) runs first: a step that finishes it launches nothing ahead."""
     core = llm_or_worker.core
+    core.finish_warm_up()
     core.overlap = True
     launches, launch = [], core.runner.launch
 

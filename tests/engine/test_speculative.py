@@ -28,6 +28,7 @@ from engine.sequence import Sequence
 from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
+from models import llama
 from random_decoders import TINY
 from speculative_testing import CorruptedOracle
 
@@ -389,12 +390,45 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     assert not speculator.decide(seqs[:2]), "drafts that gain almost nothing"
 
 
+def test_back_off_weighs_the_median_request_not_a_few_fast_ones():
+    """Drafts that only a minority of the batch gains from (answers looping) slow the rest: no drafting."""
+    speculator = Speculator("ngram", 4, max_rows=64)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0), 64) for i in range(5)]
+    for seq, gain in zip(seqs, (6.0, 6.0, 0.0, 0.0, 0.0)):
+        seq.num_computed_tokens, seq.draft_gain = 2, gain
+    assert not speculator.decide(seqs), "two of five gain many tokens, the median request none"
+    seqs[2].draft_gain = 1.0
+    assert speculator.decide(seqs), "three of five gain: a drafting step is timed first"
+
+
+def test_a_speculative_engine_stores_a_decode_steps_keys_before_its_attention(tiny_llama, prompts, monkeypatch):
+    """Its decode steps (verifications among them, and the graphs they replay) tell attention that rows read
+    each other's keys; a plain engine's do not, keeping the fused kernel."""
+    seen = []
+    attention = llama.qkv_paged_attention
+
+    def recording(*args, **kwargs):
+        meta = args[10]
+        if meta.is_decode:
+            seen.append(meta.rows_read_each_other)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "qkv_paged_attention", recording)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs(LLM(tiny_llama.path, dtype="float32"), prompts[:2], params)
+    assert seen and not any(seen)
+    seen.clear()
+    outputs(speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")), prompts[:2], params)
+    assert seen and all(seen)
+
+
 def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
     """Rows of a verification read only their own window; blocks behind the window of the first token left
-    to compute are freed after the rollback, never one a later row still reads."""
+    to compute are freed after the rollback, never one a later row still reads. On the CPU: a GPU engine
+    refuses drafts over sliding-window layers (the next test)."""
     params = SamplingParams(temperature=0, max_tokens=NEW)
-    expected = outputs(LLM(tiny_mistral.path, dtype="float32"), prompts, params)
-    llm = speculating(LLM(tiny_mistral.path, dtype="float32", speculative="ngram:k=6"),
+    expected = outputs(LLM(tiny_mistral.path, dtype="float32", device="cpu"), prompts, params)
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", device="cpu", speculative="ngram:k=6"),
                       CorruptedOracle(expected, VOCAB))
     assert outputs(llm, prompts, params) == expected
     assert llm.core.stats()["spec_accepted_tokens"] > 0

@@ -50,3 +50,16 @@ def test_flash_attn_takes_only_the_decode_steps_it_can_read(monkeypatch, block_s
     kernels.qkv_paged_attention(qkv, meta.seq_lens.long() - 1, cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS,
                                 NUM_KV_HEADS, None, None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5, **scales)
     assert launched == expected
+
+
+def test_rows_that_read_each_others_keys_store_them_all_before_attention(monkeypatch):
+    """A verification step's rows (one request's draft tokens) read keys that other rows store in the same step:
+    never in the fused kernel, whose programs store only their own row's key before attending."""
+    backend, launched = recording_backends()
+    monkeypatch.setattr(kernels, "_backend", lambda device_type: backend)
+    _, k_cache, v_cache, meta = paged_batch([1, 1], [5, 6], NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 16, torch.float32)
+    meta.rows_read_each_other = True
+    qkv = torch.randn(2, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    kernels.qkv_paged_attention(qkv, meta.seq_lens.long() - 1, cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS,
+                                NUM_KV_HEADS, None, None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert launched == ["prologue", "triton attention"]
