@@ -9,7 +9,7 @@ overlapped: it costs the host work that overlap hides, and its extra tokens cost
 does not have spare.
 
 So speculation backs off by itself, per step:
-- per request, k follows its recent acceptance (the expected run of accepted tokens at that rate, plus one),
+- per request, k follows its recent acceptance (as long as its last draft token stays likely to be accepted),
   and its draft gain is the moving average of the draft tokens a drafting step accepted for it, a step where
   the drafter found nothing counting 0;
 - a batch of more than half max_num_seqs requests never drafts (most of its requests would get no row for a
@@ -26,6 +26,7 @@ So speculation backs off by itself, per step:
   step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
   after one that gained none.
 """
+import math
 import operator
 import time
 
@@ -34,6 +35,7 @@ from engine.drafters import DRAFTERS
 from engine.sequence import Sequence
 
 ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance and draft gain
+MIN_TOKEN_CHANCE = 0.1   # how likely a draft token must be to be accepted to be drafted (draft_length)
 MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below which a step does not draft
 PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
 PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
@@ -243,7 +245,12 @@ def draftable(params) -> bool:
 
 
 def draft_length(seq: Sequence, most: int) -> int:
-    """The expected run of accepted tokens at the request's recent acceptance, plus one, at most `most`."""
+    """The draft tokens worth their rows at the request's recent acceptance a: the k-th is accepted only with
+    the k - 1 before it, a^k under a steady rate, and is drafted while that is at least MIN_TOKEN_CHANCE (one
+    at least, `most` at most). A row costs a step little (the rows share its weight reads; a batch that is
+    short of rows drafts less, Speculator.propose), so a request that copies drafts long."""
     rate = seq.acceptance
-    return most if rate >= 1 else max(1, min(most, int(rate / (1 - rate)) + 1))
+    if rate <= 0 or rate >= 1:
+        return most if rate >= 1 else 1
+    return max(1, min(most, int(math.log(MIN_TOKEN_CHANCE) / math.log(rate))))
 

@@ -25,7 +25,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer
+from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, draft_length
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from models import llama
@@ -104,7 +104,7 @@ def plain(tiny_llama, prompts):
     return references, params, outputs(llm, prompts, params)
 
 
-ENGINES = {"plain": {}, "chunked": {"max_num_batched_tokens": 16}, "preempting": {"num_kv_blocks": 5}}
+ENGINES = {"plain": {}, "chunked": {"max_num_batched_tokens": 24}, "preempting": {"num_kv_blocks": 5}}
 
 
 @pytest.mark.parametrize("engine, overlap", [("plain", False), ("plain", True), ("chunked", True),
@@ -388,6 +388,15 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     for seq in seqs[:2]:
         seq.draft_gain = 0.01
     assert not speculator.decide(seqs[:2]), "drafts that gain almost nothing"
+
+
+def test_a_request_drafts_as_long_as_its_last_token_stays_likely_to_be_accepted():
+    seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=0), 64)
+    lengths = []
+    for rate in (0.0, 0.3, 0.5, 0.79, 1.0):
+        seq.acceptance = rate
+        lengths.append(draft_length(seq, 8))
+    assert lengths == [1, 1, 3, 8, 8], "0.5^3 and 0.79^8 are over a tenth, 0.5^4 is not"
 
 
 def test_back_off_weighs_the_median_request_not_a_few_fast_ones():
