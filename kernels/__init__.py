@@ -1,8 +1,8 @@
 """The kernels the models call, each dispatched by device: torch reference on CPU; on CUDA our Triton kernels,
 with flash-attn, when it is installed, for attention over the caches it can read (blocks of a multiple of 256
-tokens, not FP8, no sinks). Installing flash-attn changes nothing for the other caches (the default blocks of 16
-among them): their decode steps keep the fused prologue. When flash-attn is found, the log says which caches it
-takes.
+tokens, not FP8, no sinks) in steps without image spans (AttentionMetadata.image_spans). Installing flash-attn
+changes nothing for the other caches (the default blocks of 16 among them): their decode steps keep the fused
+prologue. When flash-attn is found, the log says which caches it takes.
 
 A KV cache holds the model's dtype or FP8 (torch.float8_e4m3fn, e4m3): an FP8 cache comes with one float32 scale
 per KV head for its keys (k_scale [n_kv]) and one for its values (v_scale): the prologue stores x / scale,
@@ -107,7 +107,8 @@ def _flash_attn_reads(k_cache: Tensor, sinks: Tensor | None) -> bool:
 
 def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
     """flash-attn for attention over the caches it reads (_flash_attn_reads), our Triton kernels otherwise, the fused
-    decode prologue included: flash-attn has no prologue, so only its decode steps launch the prologue apart. A
+    decode prologue included: flash-attn has no prologue, so only its decode steps launch the prologue apart. A step
+    with image spans stays with Triton: flash-attn's masks are causal or none, never an image's both ways. A
     window maps to window_size=(window - 1, 0): the query itself and window - 1 keys before it. flash-attn reads
     keys in tiles that divide its 256-token blocks, so it never reads a block wholly before a query's window (a
     freed one)."""
@@ -119,7 +120,7 @@ def _with_flash_attn(backend: SimpleNamespace, flash_attn) -> SimpleNamespace:
 
     def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                         window: int, sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None) -> Tensor:
-        if not _flash_attn_reads(k_cache, sinks):
+        if meta.image_spans is not None or not _flash_attn_reads(k_cache, sinks):
             return triton_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             out = flash_attn.flash_attn_with_kvcache(
@@ -174,11 +175,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     window > 0: a query at position q sees the keys at q - window < p <= q only (transformers' sliding_window);
     the blocks before its window are never read, so they may have been freed. sinks [n_q]: one logit per
     query head that joins the softmax's denominator only (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink +
-    sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them."""
+    sum_j e^(s_j)). Both are per-layer constants: a CUDA graph captures them. meta.image_spans: a query also sees
+    the keys of its image, those after it included, within its window (Gemma 3's image tokens)."""
     _check_window_and_sinks(window, sinks, q.shape[1], causal=True)
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    return _paged_attention_of(_backend_of(q), meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale,
-                                                     v_scale)
+    return _backend_of(q).paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
 def varlen_attention(
@@ -290,17 +291,7 @@ def qkv_paged_attention(
                                     v_scale=v_scale, positions=None if rotary_at_lengths else positions)
     q, _, _ = qkv_prologue(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
                            eps, k_cache, v_cache, meta.slot_mapping, False, k_scale, v_scale)
-    return _paged_attention_of(backend, meta)(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
-
-
-def _paged_attention_of(backend: SimpleNamespace, meta: AttentionMetadata):
-    """The backend's paged attention, or the torch one (on any device) for a step with image spans, which no
-    kernel of ours masks: such steps are prefills of prompts with images, rare beside the rest."""
-    if meta.image_spans is None:
-        return backend.paged_attention
-    from kernels import reference
-
-    return reference.paged_attention
+    return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
 def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ class AttentionMetadata:
     Query token i (0-based) of sequence b sits at absolute position seq_lens[b] - q_len_b + i and
     attends to key positions 0..that position: causal over the cached prefix plus its own chunk. With
     image_spans, a query also sees the keys of its span [start, end) (an image's tokens see each other both
-    ways), within its layer's window; a step that has them runs the torch attention on any device.
+    ways), within its layer's window; a row outside any image has the empty span (0, 0). Such a step runs our
+    Triton prefill kernel on CUDA (never flash-attn) and the torch attention on CPU.
     """
 
     slot_mapping: Tensor  # int64 [T]: cache slot for each token of this step (-1: don't store)

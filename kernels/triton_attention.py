@@ -19,7 +19,8 @@ once per KV head and multiplied against every query head that shares it.
   finds its sequence from cu_seqlens, so the grid depends only on the token and sequence counts (a step
   padded to a captured shape replays correctly; padding tokens that no sequence owns are left unwritten).
   Keys come through the block table, the causal mask is applied only on the tiles that straddle the
-  diagonal, and tiles past it are never read.
+  diagonal, and tiles past it are never read. With image spans (SPANS: Gemma 3's image rows see their whole
+  image), a row's causal bound moves to the end of its image, and a tile reads keys up to its rows' furthest.
 - varlen_attention: the same program reading keys and values from contiguous [T, n_kv, D] tensors.
 
 A sliding window (`window` > 0, WINDOW) moves where the keys start: a decode program reads only the last
@@ -103,16 +104,17 @@ def _key_rows(table_ptr, key_base, keys, key_mask, BLOCK_SIZE: tl.constexpr, PAG
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, qk_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, key_base, stride_kt, stride_vt, lo, hi, row_pos, row_last, qk_scale,
+    window, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i). k_ptr/v_ptr already point at the KV head. Tiles
     start at lo (any key: the block table is read per key), so no key before lo is read.
 
     MASK False: every key in range is visible to every row and hi - lo is a multiple of BLOCK_N.
-    MASK True: keys >= hi are masked, with CAUSAL so are keys past each row's position, and with WINDOW
-    those at or before row_pos - window; a row may then see no key of a tile (its maximum stays -inf).
+    MASK True: keys >= hi are masked, with CAUSAL so are keys past each row's row_last (its position, or the
+    end of its image: see _prefill_kernel), and with WINDOW those at or before row_pos - window; a row may then
+    see no key of a tile (its maximum stays -inf).
     Keys and values are converted to q's dtype (a no-op unless the cache is FP8: see dot_operand), values by PTX
     when PTX (see value_operand).
     """
@@ -130,7 +132,7 @@ def _attend(
         if MASK:
             visible = key_mask[None, :]
             if CAUSAL:
-                visible = visible & (keys[None, :] <= row_pos[:, None])
+                visible = visible & (keys[None, :] <= row_last[:, None])
             if WINDOW:
                 visible = visible & (keys[None, :] > row_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
@@ -259,11 +261,11 @@ def _decode_kernel(
     v_head = v_cache_ptr + kv_head * HEAD_DIM
     # Every key in [lo, hi) is visible (the window is the span): only the last tile needs a mask, for hi.
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
-                            lo, full_hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False, False,
-                            DOT_PRECISION, PTX)
+                            lo, full_hi, rows, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, False, False,
+                            False, DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, 0, stride_slot, stride_slot,
-                            full_hi, hi, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False, False,
-                            DOT_PRECISION, PTX)
+                            full_hi, hi, rows, rows, qk_scale, 0, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, True, False,
+                            False, DOT_PRECISION, PTX)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     if span <= chunk:  # one split holds the whole span: the output is final
@@ -346,12 +348,12 @@ def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row,
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for any batch: no compiles mid-serving
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_seqs, num_kv_heads,
-    window, sinks_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_bt,
+    window, sinks_ptr, k_scale_ptr, v_scale_ptr, span_ends_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_ot, stride_oh, stride_bt, stride_span,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS_BLOCK: tl.constexpr, FP8: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr, SPANS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
@@ -385,6 +387,14 @@ def _prefill_kernel(
     row_pos = prefix + tokens
     dims = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tokens).to(tl.int64)
+    # Each row's last visible key: its own position, or with SPANS the last key of its image when that comes later
+    # (an image's rows see each other both ways; a row outside any image has the empty span (0, 0)). The span's
+    # start is at or before the row, so causal already covers it. Clamped to the context, which a span never
+    # passes (engine/images.py's fit_chunk), so that no key past it is read whatever the spans say.
+    row_last = row_pos
+    if SPANS:
+        span_end = tl.load(span_ends_ptr + q_rows * stride_span, mask=row_mask, other=0).to(tl.int32)
+        row_last = tl.minimum(tl.maximum(row_pos, span_end - 1), seq_len - 1)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
     q = dot_operand(q, FP8)
@@ -392,16 +402,22 @@ def _prefill_kernel(
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     # Keys [lo, full_lo): visible to some rows (the window's lower edge), [full_lo, full_hi): to every row,
-    # in whole tiles, [full_hi, hi): to some rows (the causal diagonal). Keys before lo are never read.
+    # in whole tiles, [full_hi, hi): to some rows (the causal diagonal, and the ends of the rows' images). Keys
+    # before lo are never read.
     lo = 0
     full_lo = 0
     if CAUSAL:
         first_pos = prefix + first_token
-        hi = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)  # past the tile's last row
+        rows_end = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)  # past the tile's last row
         if WINDOW:
             lo = tl.maximum(first_pos - window + 1, 0)
-            full_lo = tl.maximum(hi - window, 0)
-        full_hi = full_lo + tl.maximum(first_pos + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.maximum(rows_end - window, 0)
+        hi = rows_end
+        seen_by_all = first_pos + 1  # keys below it: within every row's causal bound
+        if SPANS:
+            hi = tl.max(tl.where(row_mask, row_last + 1, 0), 0)
+            seen_by_all = tl.min(tl.where(row_mask, row_last + 1, hi), 0)
+        full_hi = full_lo + tl.maximum(seen_by_all - full_lo, 0) // BLOCK_N * BLOCK_N
     else:
         hi = seq_len
         full_hi = seq_len // BLOCK_N * BLOCK_N
@@ -413,14 +429,14 @@ def _prefill_kernel(
     v_head = v_ptr + kv_head * stride_vh
     if WINDOW:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
-                                lo, full_lo, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
-                                CAUSAL, WINDOW, DOT_PRECISION, PTX)
+                                lo, full_lo, row_pos, row_last, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED,
+                                True, CAUSAL, WINDOW, DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
-                            full_lo, full_hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, False,
-                            CAUSAL, WINDOW, DOT_PRECISION, PTX)
+                            full_lo, full_hi, row_pos, row_last, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED,
+                            False, CAUSAL, WINDOW, DOT_PRECISION, PTX)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, table, q_start, stride_kt, stride_vt,
-                            full_hi, hi, row_pos, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED, True,
-                            CAUSAL, WINDOW, DOT_PRECISION, PTX)
+                            full_hi, hi, row_pos, row_last, qk_scale, window, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGED,
+                            True, CAUSAL, WINDOW, DOT_PRECISION, PTX)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
@@ -578,7 +594,7 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
 
 
 def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, causal, window, sinks,
-                    stride_kt, stride_kh, stride_vt, stride_vh, block_size, kv_scales=(None, None)):
+                    stride_kt, stride_kh, stride_vt, stride_vh, block_size, kv_scales=(None, None), image_spans=None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2] if block_tables is not None else k.shape[1]
     group = _check_gqa(num_q_heads, num_kv_heads)
@@ -593,30 +609,33 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
     max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs  # each sequence ends at most one tile early
     fp8 = k.dtype == FP8
     k_scale, v_scale = kv_scales if fp8 else (out, out)
+    span_ends = cu_seqlens_q if image_spans is None else image_spans[:, 1]
     # SEQS_BLOCK is at least 256, so batches of up to 256 sequences share one compiled kernel.
     _prefill_kernel[(num_kv_heads * max_tiles,)](
         q, k, v, out, cu_seqlens_q, seq_lens if paged else cu_seqlens_q,
         block_tables if paged else cu_seqlens_q, scale * LOG2E, num_seqs, num_kv_heads,
-        window, out if sinks is None else sinks, k_scale, v_scale,
+        window, out if sinks is None else sinks, k_scale, v_scale, span_ends,
         q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, out.stride(0), out.stride(1),
-        block_tables.stride(0) if paged else 0,
+        block_tables.stride(0) if paged else 0, span_ends.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
         DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), FP8=fp8,
-        PTX=fp8 and ptx_conversion(q), num_warps=4, num_stages=2, **launch_options(q),
+        PTX=fp8 and ptx_conversion(q), SPANS=image_spans is not None, num_warps=4, num_stages=2,
+        **launch_options(q),
     )
     return out
 
 
 def prefill_attention(q, k_cache, v_cache, meta, scale, window=0, sinks=None, k_scale=None, v_scale=None):
-    """paged_attention for prefill chunks and mixed batches: causal over cached prefix plus own chunk."""
+    """paged_attention for prefill chunks and mixed batches: causal over cached prefix plus own chunk, and with
+    meta.image_spans, each image's keys to all of its rows (within their windows)."""
     _check_head_dim(q.shape[2])
     block_size = _check_cache(k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     slot_stride, head_stride = k_cache.stride(1), k_cache.stride(2)
     return _prefill_launch(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                            meta.max_seqlen_q, scale, True, window, sinks, slot_stride, head_stride, slot_stride,
-                           head_stride, block_size, (k_scale, v_scale))
+                           head_stride, block_size, (k_scale, v_scale), meta.image_spans)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,

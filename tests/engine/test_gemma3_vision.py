@@ -14,6 +14,7 @@ from vision_models import (
     save_gemma3_vision,
 )
 
+import kernels
 from engine import LLM, SamplingParams
 from engine.images import PromptImage, fit_chunk
 from models import load_model
@@ -75,6 +76,29 @@ def test_greedy_with_images_matches_transformers(checkpoint, pixels, prompts, ex
     if "num_kv_blocks" in engine:
         assert llm.core.scheduler.num_preemptions > 0
     assert llm.core.block_manager.num_free_blocks == llm.core.runner.num_blocks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA every test above runs the Triton kernel")
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 6}, {"num_kv_blocks": 6, "block_size": 16}])
+def test_images_through_the_triton_prefill_kernel(checkpoint, pixels, prompts, expected, engine, monkeypatch):
+    """The steps with image spans run our Triton prefill kernel (interpreted here), as on CUDA: the spans the
+    engine builds, whole images and chunks after a cached prefix, in full and sliding layers."""
+    from kernels import triton_attention
+
+    cpu = kernels._backend("cpu")
+    torch_attention, spanned = cpu.paged_attention, []
+
+    def attention(q, k_cache, v_cache, meta, *args):
+        if meta.image_spans is None:
+            return torch_attention(q, k_cache, v_cache, meta, *args)
+        spanned.append(meta.image_spans)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, *args)
+
+    monkeypatch.setattr(cpu, "paged_attention", attention)
+    llm = LLM(checkpoint[0], dtype="float32", **engine)
+    for got, want in zip(outputs(llm, prompts, pixels), expected):
+        assert_same(got, want)
+    assert spanned
 
 
 def test_a_different_image_does_not_hit_the_prefix_cache(checkpoint, pixels, prompts, expected):

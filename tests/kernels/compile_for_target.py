@@ -162,7 +162,8 @@ def launch_attention(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """The prologue and attention launches of a step over a cache of cache_dtype: prefill chunks over a cached
     prefix, decode with the prologue fused at small (split) and large (unsplit) batches, decode apart from its
     prologue where the Gluon kernel takes large FP8 batches, attention without a cache (encoders, both masks),
-    and a sliding window with sinks (gpt-oss, head_dim 64)."""
+    a sliding window with sinks (gpt-oss, head_dim 64), and a prefill with image spans in full and sliding layers
+    (Gemma 3's image tokens)."""
     k_cache, v_cache, k_scale, v_scale = caches(cache_dtype)
     cos_sin = torch.empty(4096, HEAD_DIM, dtype=torch.float32)
     norms = (torch.empty(HEAD_DIM, dtype=dtype), torch.empty(HEAD_DIM, dtype=dtype))
@@ -191,6 +192,11 @@ def launch_attention(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     for meta in (prefill, decode_meta(4, 1000)):
         q = torch.empty(meta.slot_mapping.shape[0], HEADS, 64, dtype=dtype)
         triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.125, 128, sinks, k_scale, v_scale)
+    k_cache, v_cache, k_scale, v_scale = caches(cache_dtype)
+    prefill.image_spans = torch.zeros(64, 2, dtype=torch.int64)
+    q = torch.empty(64, HEADS, HEAD_DIM, dtype=dtype)
+    for window in (0, 1024):
+        triton_attention.paged_attention(q, k_cache, v_cache, prefill, scale, window, None, k_scale, v_scale)
 
 
 def launch_without_cache(dtype: torch.dtype) -> None:

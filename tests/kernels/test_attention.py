@@ -250,6 +250,46 @@ def test_window_and_sinks_dtypes_and_long_contexts(q_lens, seq_lens, num_q_heads
     check_paged(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, window, True, dtype)
 
 
+# Gemma 3's image tokens in a mixed step: a fresh prompt whose image crosses a query tile and ends before the
+# chunk does, a chunk after a cached prefix whose image ends with it, a decode, a chunk that starts inside an image
+# (its first keys cached) and holds a second one to its end, a text chunk. (offset, end): key positions.
+SPAN_Q_LENS = [48, 37, 1, 20, 5]
+SPAN_SEQ_LENS = [48, 90, 50, 70, 37]
+SPAN_IMAGES = {0: [(20, 44)], 1: [(60, 90)], 3: [(45, 58), (62, 70)]}
+
+
+def image_spans(q_lens, seq_lens, images):
+    """AttentionMetadata.image_spans of a step: each query in an image gets its (offset, end), the others (0, 0),
+    as engine/images.py's step_images makes them."""
+    spans = torch.zeros(sum(q_lens), 2, dtype=torch.int64)
+    row = 0
+    for b, (n, length) in enumerate(zip(q_lens, seq_lens)):
+        for offset, end in images.get(b, []):
+            first, last = max(offset, length - n), min(end, length)
+            spans[row + first - (length - n):row + last - (length - n)] = torch.tensor([offset, end])
+        row += n
+    return spans.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,with_sinks", [(0, False), (0, True), (8, False), (20, True), (200, False)])
+def test_prefill_with_image_spans(window, with_sinks, dtype):
+    """A query in an image sees every key of it, later ones included, within its window (windows under an image,
+    between, and past every context); the others stay causal; the blocks before each window are freed."""
+    q, k_cache, v_cache, meta = paged_batch(SPAN_Q_LENS, SPAN_SEQ_LENS, 4, 2, 64, 16, dtype)
+    if window:
+        free_blocks_before_window(k_cache, v_cache, meta, window)
+    sinks = random_sinks(4) if with_sinks else None
+    causal = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, window, sinks)
+    meta.image_spans = image_spans(SPAN_Q_LENS, SPAN_SEQ_LENS, SPAN_IMAGES)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, window, sinks)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125, window, sinks)
+    assert_close(out, expected, dtype)
+    in_image = meta.image_spans[:, 1] > 0
+    assert not torch.allclose(expected[in_image].float(), causal[in_image].float())  # the spans change the rows
+    assert torch.equal(expected[~in_image], causal[~in_image])
+
+
 @pytest.mark.parametrize("causal,window,with_sinks", [(True, 1, False), (True, 7, True), (True, 40, False),
                                                       (False, 0, True), (True, 0, True)])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (2, 1, 256)])

@@ -1,6 +1,7 @@
 """With flash-attn installed, a decode step over a cache flash-attn cannot read (the default blocks of 16 tokens,
-FP8) still runs the fused prologue kernel; one over a cache it reads runs the prologue, then flash-attn. The
-backend's kernels are recorders here: what is checked is which of them a step launches."""
+FP8) still runs the fused prologue kernel; one over a cache it reads runs the prologue, then flash-attn; a prefill
+step with image spans runs our Triton attention, which masks them. The backend's kernels are recorders here: what
+is checked is which of them a step launches."""
 from types import SimpleNamespace
 
 import pytest
@@ -63,3 +64,18 @@ def test_rows_that_read_each_others_keys_store_them_all_before_attention(monkeyp
     kernels.qkv_paged_attention(qkv, meta.seq_lens.long() - 1, cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS,
                                 NUM_KV_HEADS, None, None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     assert launched == ["prologue", "triton attention"]
+
+
+@pytest.mark.parametrize("image_spans", [False, True])
+def test_flash_attn_never_takes_a_step_with_image_spans(monkeypatch, image_spans):
+    """flash-attn's masks are causal or none: a prefill with an image's both-ways rows stays with Triton, even over
+    a cache flash-attn reads; the same step without spans goes to flash-attn."""
+    backend, launched = recording_backends()
+    monkeypatch.setattr(kernels, "_backend", lambda device_type: backend)
+    _, k_cache, v_cache, meta = paged_batch([6, 1], [6, 9], NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 256, torch.float32)
+    if image_spans:
+        meta.image_spans = torch.tensor([[0, 0]] + [[1, 5]] * 4 + [[0, 0]] * 2)
+    qkv = torch.randn(7, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    kernels.qkv_paged_attention(qkv, torch.arange(7), cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS, NUM_KV_HEADS, None,
+                                None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert launched == ["prologue", "triton attention" if image_spans else "flash-attn varlen"]
