@@ -39,6 +39,7 @@ program caps its registers so that more programs share an SM.
 Grids and scratch shapes come from host-side values only (no .item()), so every path can be graph-captured.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from kernels import gluon_decode
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
 from kernels.split_arrivals import arrival_counters, is_last_arrival, num_sms
 from kernels.triton_fp8 import dot_operand, e4m3_quantized, ptx_conversion, value_operand
+from kernels.triton_linear import memory_sizes
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -90,6 +92,31 @@ def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTi
     operands of twice the registers, so they keep the 16-bit cache's uncapped tiles (with FP8 tiles of 128 keys,
     the H100 once computed wrong outputs: 3 splits, 8 query heads per KV head, head_dim 128)."""
     return FP8_DECODE_TILES if cache_dtype == FP8 and query_dtype != torch.float32 else DECODE_TILES
+
+
+def fitted_decode_tiles(tiles: DecodeTiles, head_dim: int, element_size: int, shared_memory: int) -> DecodeTiles:
+    """tiles with as many keys per tile (halved down to 16) as a program's shared memory holds: a tile of keys and
+    one of values, and two rows blocks of queries; only a T4 at Gemma 3's heads of 256 needs fewer than 64."""
+    block_n = tiles.block_n
+    while block_n > 16 and (32 + 2 * block_n) * head_dim * element_size > shared_memory:
+        block_n //= 2
+    return tiles if block_n == tiles.block_n else dataclasses.replace(tiles, block_n=block_n)
+
+
+def prefill_tiles(block_m: int, min_block_m: int, head_dim: int, element_size: int, shared_memory: int
+                  ) -> tuple[int, int]:
+    """Query rows and keys per prefill tile: block_m and 32 keys, fewer keys and then fewer rows (not under
+    min_block_m) while a program's shared memory cannot hold head_dim x (4 bytes a row, 2 x element_size a key),
+    what Triton allocates them on a T4 and more than on later GPUs. Only a T4 at heads of 256 gets less."""
+    block_n = 32
+    while head_dim * (4 * block_m + 2 * element_size * block_n) > shared_memory:
+        if block_n > 16:
+            block_n //= 2
+        elif block_m > min_block_m:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n
 
 
 @triton.jit
@@ -549,7 +576,8 @@ def _decode(q, num_q_heads, head_dim, stride_qt, stride_qh, k_cache, v_cache, me
     block_size = _check_cache(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     group = _check_gqa(num_q_heads, num_kv_heads)
-    tiles = tiles or decode_tiles(k_cache.dtype, q.dtype)
+    tiles = fitted_decode_tiles(tiles or decode_tiles(k_cache.dtype, q.dtype), head_dim, q.element_size(),
+                                memory_sizes(q.device)[0])
     if num_splits is None:
         longest_span = min(meta.max_seqlen_k, window) if window else meta.max_seqlen_k
         num_splits = choose_num_splits(num_seqs * num_kv_heads, longest_span, q.device, tiles.min_split_keys)
@@ -603,7 +631,9 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
         return out
     # 64 x 32 tiles, 4 warps, 2 stages: faster than 128 x 64 with 8 warps on a long prefill of prompts of
     # varied lengths
-    block_m = max(16, min(64, triton.next_power_of_2(max_seqlen_q * group)), triton.next_power_of_2(group))
+    min_block_m = max(16, triton.next_power_of_2(group))
+    block_m, block_n = prefill_tiles(max(min_block_m, min(64, triton.next_power_of_2(max_seqlen_q * group))),
+                                     min_block_m, head_dim, q.element_size(), memory_sizes(q.device)[0])
     tokens_per_tile = block_m // group
     paged = block_tables is not None
     max_tiles = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs  # each sequence ends at most one tile early
@@ -617,7 +647,7 @@ def _prefill_launch(q, k, v, out, cu_seqlens_q, seq_lens, block_tables, max_seql
         window, out if sinks is None else sinks, k_scale, v_scale, span_ends,
         q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0, span_ends.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=32, BLOCK_SIZE=block_size,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         PAGED=paged, CAUSAL=causal, WINDOW=causal and window > 0, HAS_SINKS=sinks is not None,
         DOT_PRECISION=_dot_precision(q.dtype), SEQS_BLOCK=max(256, triton.next_power_of_2(num_seqs)), FP8=fp8,
         PTX=fp8 and ptx_conversion(q), SPANS=image_spans is not None, num_warps=4, num_stages=2,

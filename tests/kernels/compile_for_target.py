@@ -70,6 +70,7 @@ GPUS = {gpu.capability[0] * 10 + gpu.capability[1]: gpu for gpu in (
 # The Qwen3-0.6B shape (the engine's benchmark model): hidden 1024, 16 query and 8 KV heads of 128, MLP 3072.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 1024, 16, 8, 128, 3072, 16
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+WIDE_HEAD_DIM = 256  # Gemma 3's
 
 
 class CompileOnlyDriver:
@@ -97,7 +98,8 @@ def pretend(gpu: Gpu, disabled: frozenset[str], compiled: list) -> None:
     gpu_features.has = lambda feature, tensor: gpu_features.supported(feature, gpu.capability, disabled)
     for module in (triton_linear, triton_attention, triton_fp8_gemm, gluon_decode):
         module.num_sms = lambda device: gpu.sms
-    triton_linear.memory_sizes = triton_fp8_gemm.memory_sizes = lambda device: (gpu.shared_memory, gpu.l2_bytes)
+    for module in (triton_linear, triton_fp8_gemm, triton_attention):
+        module.memory_sizes = lambda device: (gpu.shared_memory, gpu.l2_bytes)
 
     def compile_instead(kernel, grid):
         name = f"{kernel.fn.__module__}.{kernel.fn.__name__}"
@@ -199,6 +201,25 @@ def launch_attention(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         triton_attention.paged_attention(q, k_cache, v_cache, prefill, scale, window, None, k_scale, v_scale)
 
 
+def launch_wide_heads(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Gemma 3's heads of WIDE_HEAD_DIM (4B to 27B): prefill chunks, with image spans, in full and sliding
+    layers, and the fused decode."""
+    k_cache, v_cache, k_scale, v_scale = caches(cache_dtype, head_dim=WIDE_HEAD_DIM)
+    scale = WIDE_HEAD_DIM ** -0.5
+    prefill = prefill_meta([48, 16], [112, 16])
+    q = torch.empty(64, HEADS, WIDE_HEAD_DIM, dtype=dtype)
+    for spans in (None, torch.zeros(64, 2, dtype=torch.int64)):
+        prefill.image_spans = spans
+        for window in (0, 1024):
+            triton_attention.paged_attention(q, k_cache, v_cache, prefill, scale, window, None, k_scale, v_scale)
+    meta = decode_meta(4, 1000)
+    qkv = torch.empty(4, (HEADS + 2 * KV_HEADS) * WIDE_HEAD_DIM, dtype=dtype)
+    norms = (torch.empty(WIDE_HEAD_DIM, dtype=dtype), torch.empty(WIDE_HEAD_DIM, dtype=dtype))
+    triton_attention.qkv_decode_attention(qkv, torch.empty(4096, WIDE_HEAD_DIM, dtype=torch.float32), HEADS,
+                                          KV_HEADS, *norms, 1e-6, k_cache, v_cache, meta, scale, k_scale=k_scale,
+                                          v_scale=v_scale)
+
+
 def launch_without_cache(dtype: torch.dtype) -> None:
     """Attention within packed sequences (encoders, and prompts run without a cache), causal or not, with the
     prologue returning k and v."""
@@ -260,6 +281,7 @@ def launch_all(gpu: Gpu, disabled: frozenset[str]) -> None:
     launch_moe(dtype, gpu_features.supported("mxfp4", gpu.capability, disabled))
     for cache_dtype in (dtype, FP8) if e4m3 else (dtype,):
         launch_attention(dtype, cache_dtype)
+        launch_wide_heads(dtype, cache_dtype)
     if e4m3:
         launch_fp8_gemms(dtype, gpu_features.supported("scaled_mm", gpu.capability, disabled))
 

@@ -10,12 +10,15 @@ from kernel_testing import (
     paged_batch,
 )
 
-from kernels import AttentionMetadata, reference
+from kernels import AttentionMetadata, reference, triton_attention
 from kernels.split_arrivals import arrival_counters
 from kernels.triton_attention import (
+    DECODE_TILES,
     choose_num_splits,
     decode_attention,
+    fitted_decode_tiles,
     paged_attention,
+    prefill_tiles,
     varlen_attention,
 )
 
@@ -213,6 +216,26 @@ def test_decode_window_padding_rows_give_zeros(num_splits):
     out = decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits, window=24, sinks=sinks)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(out[[0, 2]], expected[[0, 2]], torch.float32)
+
+
+T4_SHARED_MEMORY, L4_SHARED_MEMORY = (64 << 10) - 1024, (100 << 10) - 1024  # a program's, the driver's 1 KB kept
+
+
+def test_tiles_shrink_only_where_shared_memory_is_short():
+    assert prefill_tiles(64, 16, 256, 2, T4_SHARED_MEMORY) == (32, 16)
+    assert prefill_tiles(64, 16, 256, 2, L4_SHARED_MEMORY) == (64, 32)
+    assert prefill_tiles(64, 16, 128, 2, T4_SHARED_MEMORY) == (64, 32)
+    assert fitted_decode_tiles(DECODE_TILES, 256, 2, T4_SHARED_MEMORY).block_n == 32
+    assert fitted_decode_tiles(DECODE_TILES, 256, 2, L4_SHARED_MEMORY) is DECODE_TILES
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_heads_of_256_in_a_t4s_shared_memory(monkeypatch, num_splits):
+    """Gemma 3's heads of 256 in the smaller tiles a T4's shared memory holds: the same attention."""
+    monkeypatch.setattr(triton_attention, "memory_sizes", lambda device: (T4_SHARED_MEMORY, 4 << 20))
+    q_lens = WINDOW_Q_LENS if num_splits is None else [1] * len(WINDOW_CONTEXTS)
+    check_paged(q_lens, WINDOW_SEQ_LENS if num_splits is None else WINDOW_CONTEXTS, 4, 2, 256, 16, 20, False,
+                num_splits=num_splits)
 
 
 WINDOW_Q_LENS = [1, 40, 1, 5, 33, 70]  # a decode, a fresh prompt, a decode, chunks after cached prefixes
