@@ -231,7 +231,7 @@ class Worker:
             request = self._requests.get(seq.request_id)
             if request is None or (token_id is None and not seq.is_finished):
                 continue
-            new_token_ids = [] if token_id is None else seq.output_token_ids[request.num_sent:]
+            new_token_ids = [] if token_id is None else seq.token_ids[seq.num_prompt_tokens + request.num_sent:]
             logprobs = (seq.logprobs[request.num_sent:] if token_id is not None and seq.params.logprobs is not None
                         else None)
             first = request.num_sent == 0 and bool(new_token_ids)
