@@ -12,7 +12,7 @@ the engine never sees, replays the request's tokens when the request fails, so t
 it as the engine's copy does.
 
 A spawned engine reads (method, args) messages from its pipe and sends back, per delivery of its engine thread,
-one message with the outputs of every request of that step (as tuples: cheaper to pickle than RequestOutputs), its
+one message with the outputs of every request of that step (as plain tuples, the cheapest to pickle), its
 embeddings, and its stats every STATS_INTERVAL_S. One that exits ends its requests (and embedding calls) with an
 error and the handler is told (on_fatal), as a lost tensor-parallel rank does.
 """
@@ -22,7 +22,6 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
-import operator
 import os
 import threading
 import weakref
@@ -42,8 +41,6 @@ WORKER_FACTS = ("kind", "model_dir", "hidden_size", "vocab_size", "eos_token_ids
                 "max_embedding_tokens", "weight_bytes")
 SUMMED_STATS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "num_preemptions", "spec_drafted_tokens",
                 "spec_accepted_tokens")
-OUTPUT_FIELDS = tuple(field.name for field in dataclasses.fields(RequestOutput))
-output_fields = operator.attrgetter(*OUTPUT_FIELDS)  # a RequestOutput as the tuple that crosses the pipe
 
 
 def make_worker(config: EngineConfig, on_fatal=None):
@@ -285,7 +282,7 @@ class EngineProcess:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for values in fields:
-                output = RequestOutput(*values)
+                output = RequestOutput._make(values)
                 request = self._requests.get(output.request_id)
                 if request is None:  # failed here already (the engine was lost meanwhile)
                     continue
@@ -409,9 +406,9 @@ async def serve(worker: Worker, pipe) -> None:
 
     async def send_outputs() -> None:
         while True:
-            batch = [output_fields(await outputs.get())]
+            batch = [tuple(await outputs.get())]
             while not outputs.empty():
-                batch.append(output_fields(outputs.get_nowait()))
+                batch.append(tuple(outputs.get_nowait()))
             pipe.send(("outputs", batch))
 
     async def send_stats() -> None:

@@ -9,6 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.embed_queue import EmbedJob, EmbedQueue, finished_jobs, jobs_of
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 LOST_ENGINE_JOIN_S = 5.0
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """What a request's delivery carries (a tuple: cheap to make and to pickle, engine/data_parallel.py)."""
     request_id: object
     new_token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; set only on a request's last item
