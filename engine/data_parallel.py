@@ -36,6 +36,7 @@ from engine.worker import RequestOutput, Worker, _post, _put_all, _set_future
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5
+ENGINE_LOGGERS = ("engine", "models")  # INFO and up in an engine's process; other libraries' WARNING and up
 # What the handler reads of a Worker besides its methods: each engine reports them once it is ready.
 WORKER_FACTS = ("kind", "model_dir", "hidden_size", "vocab_size", "eos_token_ids", "max_model_len",
                 "max_embedding_tokens", "weight_bytes")
@@ -194,7 +195,7 @@ class EngineProcess:
         self.index, self.on_lost = index, on_lost
         context = multiprocessing.get_context("spawn")
         self.pipe, theirs = context.Pipe()
-        self.process = context.Process(target=run_engine, args=(config, devices, theirs, os.getpid()),
+        self.process = context.Process(target=run_engine, args=(config, index, devices, theirs, os.getpid()),
                                        name=f"data-parallel-engine-{index}")  # not daemonic: it may start TP ranks
         self.process.start()
         theirs.close()
@@ -342,10 +343,11 @@ def stop_engine(process, pipe, lock: threading.Lock) -> None:
 
 # ---- the spawned engine --------------------------------------------------------------------------------
 
-def run_engine(config: EngineConfig, devices: str | None, pipe, parent_pid: int) -> None:
+def run_engine(config: EngineConfig, index: int, devices: str | None, pipe, parent_pid: int) -> None:
     """A spawned engine: load the model on its GPUs, report its facts, then serve the parent's requests."""
     threading.Thread(target=exit_when_orphaned, args=(parent_pid,), name="orphan-watchdog", daemon=True).start()
     keep_off_protocol_streams()
+    log_as_engine(index)
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     try:
@@ -360,6 +362,15 @@ def run_engine(config: EngineConfig, devices: str | None, pipe, parent_pid: int)
     finally:
         worker.shutdown()
     os._exit(0)
+
+
+def log_as_engine(index: int) -> None:
+    """The engine's lines (its start-up phases, its problems) on stderr, which it shares with the handler, each
+    naming the engine."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s (data-parallel engine "
+                                                      f"{index}): %(message)s")
+    for name in ENGINE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 async def serve(worker: Worker, pipe) -> None:

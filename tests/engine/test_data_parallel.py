@@ -129,6 +129,7 @@ def test_data_parallel_engines_of_tensor_parallel_ranks(tiny_llama, prompts_of_l
     assert [tokens for tokens, _ in results] == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
 
 
+@pytest.mark.slow  # two engine processes and a third engine
 def test_constrained_requests_and_embeddings_run_in_the_engine_processes(two_engines, tiny_llama):
     """A constraint travels to its engine's process as its grammar (the handler's copy stays here), and decodes there
     as transformers does with the grammar's mask applied by hand; embeddings come from engine 0's process."""
