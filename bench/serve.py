@@ -41,6 +41,8 @@ the sampling, taking the same token each step, and sleeps instead as long as a d
 second would take for the step's sampled rows (with the GIL released, as a wait on the device releases it). N
 engines then produce N x X tokens per second whatever their batch: served throughput below that, with a process
 near 100% of a core, is the served path's ceiling. The model is a tiny Qwen3 unless --model names another.
+`--fake-host-ms H` adds H ms of Python per step, holding the GIL, as a GPU step's host side (staging, launches,
+sampling) does: what it costs the other threads of an engine's process.
 
     PYTHONPATH=. python3 bench/serve.py --workload nanovllm --fake-tok-s 4000 --data-parallel-sizes 1 2
 """
@@ -70,6 +72,7 @@ DEFAULT_MAX_BATCHED_TOKENS = 8192  # the handler's default (engine/config.py)
 STARTUP_TIMEOUT_S = 1800.0
 JSON = {"Content-Type": "application/json"}
 FAKE_RATE_ENV = "SERVE_BENCH_FAKE_TOK_S"  # set in the server's environment by --fake-tok-s
+FAKE_HOST_ENV = "SERVE_BENCH_FAKE_HOST_MS"  # and by --fake-host-ms
 FAKE_TOKEN = 1234  # what a fake step samples (the word "w1234")
 TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 32}  # the fake engines' model: its forward never runs
@@ -77,14 +80,17 @@ ENGINE_PID = re.compile(r"data-parallel engine (\d+) ready \(pid (\d+)\)")
 
 
 # Engines without a device (--fake-step-ms)
-def install_fake_engine(tokens_per_s: float) -> None:
-    """Every ModelRunner of this process skips its forward and sampling: a step sleeps for its sampled rows at
-    tokens_per_s and samples FAKE_TOKEN in each."""
+def install_fake_engine(tokens_per_s: float, host_s: float = 0.0) -> None:
+    """Every ModelRunner of this process skips its forward and sampling: a step runs Python for host_s, sleeps for
+    its sampled rows at tokens_per_s and samples FAKE_TOKEN in each."""
     import torch
 
     from engine.model_runner import ModelRunner
 
     def execute(self, staged, images=None, prompt_rows=None, rope_positions=None):
+        busy_until = time.perf_counter() + host_s
+        while time.perf_counter() < busy_until:
+            pass
         time.sleep(len(staged.sample_rows) / tokens_per_s)
         return (torch.empty(len(staged.sample_rows), 0) if staged.sample_rows else None), None
 
@@ -98,13 +104,13 @@ def install_fake_engine(tokens_per_s: float) -> None:
 def serve_fake_handler() -> int:
     """`python bench/serve.py --fake-handler`: `python -m handler` with fake engines (its spawned engine processes
     run this file as their main module, where the same patch is installed below)."""
-    install_fake_engine(float(os.environ[FAKE_RATE_ENV]))
+    install_fake_engine(float(os.environ[FAKE_RATE_ENV]), float(os.environ.get(FAKE_HOST_ENV, 0)) / 1000)
     from handler.__main__ import main as handler_main
     return handler_main([])
 
 
 if __name__ == "__mp_main__" and os.environ.get(FAKE_RATE_ENV):  # a process the fake handler spawned
-    install_fake_engine(float(os.environ[FAKE_RATE_ENV]))
+    install_fake_engine(float(os.environ[FAKE_RATE_ENV]), float(os.environ.get(FAKE_HOST_ENV, 0)) / 1000)
 
 
 # The served model: the weights with a word-level tokenizer
@@ -511,6 +517,8 @@ def main() -> None:
     parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
     parser.add_argument("--fake-tok-s", type=float, help="engines skip the forward and sampling, each producing this "
                                                          "many tokens/s (the served path's capacity, on CPU)")
+    parser.add_argument("--fake-host-ms", type=float, default=0.0,
+                        help="with --fake-tok-s: Python run per step, holding the GIL (a GPU step's host side)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
                                                         "read it with bench/serve_trace.py)")
@@ -528,7 +536,8 @@ def main() -> None:
         if args.trace:
             parser.error("--trace follows `python -m handler`; --fake-tok-s runs this file as the handler")
         args.device = args.device or "cpu"
-        env.update({FAKE_RATE_ENV: str(args.fake_tok_s), "HFENDPOINT_CPU_KV_CACHE_GB": "0.25"})
+        env.update({FAKE_RATE_ENV: str(args.fake_tok_s), FAKE_HOST_ENV: str(args.fake_host_ms),
+                    "HFENDPOINT_CPU_KV_CACHE_GB": "0.25"})
     model = model_path(args.model, args.device, TINY if args.fake_tok_s is not None else None)
     if args.device:
         env["HFENDPOINT_DEVICE"] = args.device
