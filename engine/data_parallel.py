@@ -87,6 +87,8 @@ class DataParallelWorker:
         devices = engine_devices(config)
         one = dataclasses.replace(config, data_parallel_size=1)
         self.config, self.on_fatal = config, on_fatal
+        self._lost: str | None = None
+        self._stopped = False
         self.engines: list[EngineProcess] = []
         try:
             for index in range(config.data_parallel_size):  # all started before any is waited for: they load at once
@@ -106,7 +108,6 @@ class DataParallelWorker:
         self.router = PrefixRouter([engine.facts["num_total_blocks"] for engine in self.engines], config.block_size)
         self._engine_of: dict[object, int] = {}  # requests in flight -> engine index
         self._lock = threading.Lock()
-        self._lost: str | None = None
 
     # ---- the Worker's interface ------------------------------------------------------------------------
 
@@ -118,8 +119,8 @@ class DataParallelWorker:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         queue = asyncio.Queue() if queue is None else queue
         with self._lock:
-            if self._lost:
-                raise RuntimeError(self._lost)
+            if self.unavailable:
+                raise RuntimeError(self.unavailable)
             if request_id in self._engine_of:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             if shares_prompt_with in self._engine_of:
@@ -144,8 +145,8 @@ class DataParallelWorker:
             return self._engine_of.get(request_id)
 
     async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
-        if self._lost:
-            raise RuntimeError(self._lost)
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
         return await self.engines[0].embed(token_lists)
 
     def stats(self) -> dict:
@@ -157,9 +158,11 @@ class DataParallelWorker:
 
     @property
     def unavailable(self) -> str | None:
-        return self._lost
+        """Why the engines take no more work (one was lost, or they shut down), or None."""
+        return self._lost or ("the engine has shut down" if self._stopped else None)
 
     def shutdown(self) -> None:
+        self._stopped = True
         for engine in self.engines:
             engine.shutdown()
 

@@ -80,6 +80,10 @@ def test_choices_of_one_completion_share_their_engine(two_engines, prompts_of_le
     assert first_choice != busy_engine  # the least loaded
     assert second_choice == first_choice  # not the least loaded any more, but where its prompt is
     assert results[2][1].num_cached_tokens == 32  # the first choice's two full prompt blocks, shared there
+    worker.shutdown()
+    assert worker.unavailable == "the engine has shut down"
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit("late", prompt, params)
 
 
 def test_a_lost_engine_fails_its_requests_and_tells_the_handler(two_engines, prompts_of_lengths):
