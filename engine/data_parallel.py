@@ -11,9 +11,9 @@ handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt
 the engine never sees, replays the request's tokens when the request fails, so that it knows whether a token broke
 it as the engine's copy does.
 
-A spawned engine reads (method, args) messages from its pipe and sends back, per delivery of its engine thread,
-one message with the outputs of every request of that step (as plain tuples, the cheapest to pickle), its
-embeddings, and its stats every STATS_INTERVAL_S. One that exits ends its requests (and embedding calls) with an
+A spawned engine reads (method, args) messages from its pipe and sends back, from its engine thread, one message
+per step with the outputs of every request of that step (as plain tuples, the cheapest to pickle: PipeOutputs),
+its embeddings, and its stats every STATS_INTERVAL_S. One that exits ends its requests (and embedding calls) with an
 error and the handler is told (on_fatal), as a lost tensor-parallel rank does.
 """
 import asyncio
@@ -376,11 +376,42 @@ def log_as_engine(index: int) -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
+class PipeOutputs:
+    """An engine process's outputs queue and the loop they are posted through, both at once: the engine thread's
+    call_soon_threadsafe runs the delivery there and then (PipeOutputs gathers what it puts) and sends the step's
+    outputs down the pipe as one message; no event loop stands between the step and the pipe. The lock orders
+    every send on the pipe. A full pipe (the handler behind) holds the engine thread until the handler reads."""
+
+    def __init__(self, pipe, lock: threading.Lock):
+        self.pipe, self.lock = pipe, lock
+        self.gathered: list[tuple] = []
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self.gathered.append(tuple(output))
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        with self.lock:
+            callback(*args)
+            gathered, self.gathered = self.gathered, []
+            if gathered:
+                self._send("outputs", gathered)
+
+    def send(self, kind: str, payload) -> None:
+        with self.lock:
+            self._send(kind, payload)
+
+    def _send(self, kind: str, payload) -> None:
+        try:
+            self.pipe.send((kind, payload))
+        except OSError:  # the handler has gone: nobody to tell (the orphan watchdog ends this process)
+            pass
+
+
 async def serve(worker: Worker, pipe) -> None:
-    """Runs the parent's submit, abort and embed calls on the worker and sends its outputs back, one message per
-    delivery of its engine thread (more when the pipe is behind: whatever has arrived goes at once)."""
+    """Runs the parent's submit, abort and embed calls on the worker; its outputs go back from its engine thread
+    (PipeOutputs), its embeddings and stats from here."""
     loop = asyncio.get_running_loop()
-    outputs: asyncio.Queue = asyncio.Queue()
+    outputs = PipeOutputs(pipe, threading.Lock())
     stopped = loop.create_future()
     embeddings: set[asyncio.Task] = set()
 
@@ -388,9 +419,10 @@ async def serve(worker: Worker, pipe) -> None:
         if kind == "submit":
             request_id, prompt, params, constraint, shares_prompt_with = args
             try:
-                worker.submit(request_id, prompt, params, constraint, outputs, shares_prompt_with)
+                worker.submit(request_id, prompt, params, constraint, outputs, shares_prompt_with, loop=outputs)
             except (ValueError, RuntimeError) as exc:  # checked by the parent first: only a lost engine
-                outputs.put_nowait(RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0))
+                failed = RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0)
+                outputs.call_soon_threadsafe(_put_all, [(outputs, failed)])
         elif kind == "abort":
             worker.abort(*args)
         elif kind == "embed":
@@ -402,9 +434,9 @@ async def serve(worker: Worker, pipe) -> None:
 
     async def embed(call_id: int, token_lists: list[list[int]]) -> None:
         try:
-            pipe.send(("embedded", (call_id, await worker.embed(token_lists), None)))
+            outputs.send("embedded", (call_id, await worker.embed(token_lists), None))
         except Exception as exc:  # noqa: BLE001 - the caller's to raise
-            pipe.send(("embedded", (call_id, None, (type(exc).__name__, str(exc)))))
+            outputs.send("embedded", (call_id, None, (type(exc).__name__, str(exc))))
 
     def read() -> None:
         while True:
@@ -418,19 +450,12 @@ async def serve(worker: Worker, pipe) -> None:
 
     threading.Thread(target=read, name="engine-pipe", daemon=True).start()
 
-    async def send_outputs() -> None:
-        while True:
-            batch = [tuple(await outputs.get())]
-            while not outputs.empty():
-                batch.append(tuple(outputs.get_nowait()))
-            pipe.send(("outputs", batch))
-
     async def send_stats() -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            pipe.send(("stats", worker.stats()))
+            outputs.send("stats", worker.stats())
 
-    tasks = [loop.create_task(send_outputs()), loop.create_task(send_stats())]
+    stats = loop.create_task(send_stats())
     await stopped
-    for task in [*tasks, *embeddings]:
+    for task in [stats, *embeddings]:
         task.cancel()
