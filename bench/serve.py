@@ -31,7 +31,20 @@ words and reaches the engine as exactly those N ids, as bench/throughput.py give
 not on which ids. Runs on CPU too (--device cpu, a tiny model, small lengths) as a smoke test.
 
 The client builds every request body and opens its connections (as many as it will have in flight) before the
-clock starts, as a client with a connection pool has them: what is timed is the server.
+clock starts, as a client with a connection pool has them: what is timed is the server. After each run of the
+workload it prints the CPU time each process took per output token (the client, our front, the handler and each
+data-parallel engine process) and its share of one core over the run: a process near 100% is the ceiling.
+
+`--fake-tok-s X` measures the served path's own capacity without a GPU: every engine (the handler's and the
+spawned data-parallel ones) runs its scheduler, staging and outputs as it does on a GPU but skips the forward and
+the sampling, taking the same token each step, and sleeps instead as long as a device producing X tokens per
+second would take for the step's sampled rows (with the GIL released, as a wait on the device releases it). N
+engines then produce N x X tokens per second whatever their batch: served throughput below that, with a process
+near 100% of a core, is the served path's ceiling. The model is a tiny Qwen3 unless --model names another.
+`--fake-host-ms H` adds H ms of Python per step, holding the GIL, as a GPU step's host side (staging, launches,
+sampling) does: what it costs the other threads of an engine's process.
+
+    PYTHONPATH=. python3 bench/serve.py --workload nanovllm --fake-tok-s 4000 --data-parallel-sizes 1 2
 """
 import argparse
 import asyncio
@@ -58,6 +71,46 @@ MAX_PROMPT_ID = 10000  # prompt ids are drawn below this, as the Nano-vLLM workl
 DEFAULT_MAX_BATCHED_TOKENS = 8192  # the handler's default (engine/config.py)
 STARTUP_TIMEOUT_S = 1800.0
 JSON = {"Content-Type": "application/json"}
+FAKE_RATE_ENV = "SERVE_BENCH_FAKE_TOK_S"  # set in the server's environment by --fake-tok-s
+FAKE_HOST_ENV = "SERVE_BENCH_FAKE_HOST_MS"  # and by --fake-host-ms
+FAKE_TOKEN = 1234  # what a fake step samples (the word "w1234")
+TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 32}  # the fake engines' model: its forward never runs
+ENGINE_PID = re.compile(r"data-parallel engine (\d+) ready \(pid (\d+)\)")
+
+
+# Engines without a device (--fake-step-ms)
+def install_fake_engine(tokens_per_s: float, host_s: float = 0.0) -> None:
+    """Every ModelRunner of this process skips its forward and sampling: a step runs Python for host_s, sleeps for
+    its sampled rows at tokens_per_s and samples FAKE_TOKEN in each."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+
+    def execute(self, staged, images=None, prompt_rows=None, rope_positions=None):
+        busy_until = time.perf_counter() + host_s
+        while time.perf_counter() < busy_until:
+            pass
+        time.sleep(len(staged.sample_rows) / tokens_per_s)
+        return (torch.empty(len(staged.sample_rows), 0) if staged.sample_rows else None), None
+
+    def sample(self, step):
+        self.last_sampled = torch.full((len(step.sampling),), FAKE_TOKEN)
+        step.ids, step.logprobs, step.ready, step.logits, step.logprob_rows = self.last_sampled, None, None, None, None
+
+    ModelRunner.execute, ModelRunner.sample = execute, sample
+
+
+def serve_fake_handler() -> int:
+    """`python bench/serve.py --fake-handler`: `python -m handler` with fake engines (its spawned engine processes
+    run this file as their main module, where the same patch is installed below)."""
+    install_fake_engine(float(os.environ[FAKE_RATE_ENV]), float(os.environ.get(FAKE_HOST_ENV, 0)) / 1000)
+    from handler.__main__ import main as handler_main
+    return handler_main([])
+
+
+if __name__ == "__mp_main__" and os.environ.get(FAKE_RATE_ENV):  # a process the fake handler spawned
+    install_fake_engine(float(os.environ[FAKE_RATE_ENV]), float(os.environ.get(FAKE_HOST_ENV, 0)) / 1000)
 
 
 # The served model: the weights with a word-level tokenizer
@@ -89,8 +142,8 @@ class Server:
 
     def __init__(self, model_dir: Path, env: dict[str, str], log_dir: Path):
         self.stderr_path, self.access_log = log_dir / "server.stderr", log_dir / "server.stdout"
-        command = [sys.executable, "-m", "front", "--host", "127.0.0.1", "--port", "0", "--",
-                   sys.executable, "-m", "handler"]
+        handler = [str(HERE / "serve.py"), "--fake-handler"] if env.get(FAKE_RATE_ENV) else ["-m", "handler"]
+        command = [sys.executable, "-m", "front", "--host", "127.0.0.1", "--port", "0", "--", sys.executable, *handler]
         path = [str(ROOT), env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]
         environment = {**os.environ, **env, "MODEL_ID": str(model_dir), "HFENDPOINT_REPOSITORY_DIR": "/nonexistent",
                        "PYTHONPATH": os.pathsep.join(filter(None, path))}
@@ -124,8 +177,42 @@ class Server:
     def access_log_size(self) -> int:
         return self.access_log.stat().st_size
 
+    def processes(self) -> dict[str, int]:
+        """Our front's, the handler's and each spawned data-parallel engine's pid, by name."""
+        found = {"front": self.process.pid}
+        try:
+            with open(f"/proc/{self.process.pid}/task/{self.process.pid}/children") as f:
+                found["handler"] = int(f.read().split()[0])
+        except (OSError, IndexError):
+            pass
+        for index, pid in ENGINE_PID.findall(self.stderr_path.read_text()):
+            found[f"engine {index}"] = int(pid)
+        return found
+
     def stop(self) -> None:
         stop_process(self.process)
+
+
+class CpuMeter:
+    """The CPU time of this process (the client) and of the server's processes over a run."""
+
+    def __init__(self, server: Server):
+        from protocol import cpu_seconds
+
+        self.pids = {"client": os.getpid(), **server.processes()}
+        self.read = cpu_seconds
+        self.started = (time.perf_counter(), {name: self.read(pid) for name, pid in self.pids.items()})
+
+    def report(self, output_tokens: int) -> str:
+        """Per process: CPU microseconds per output token, and its share of one core over the run."""
+        wall = time.perf_counter() - self.started[0]
+        cells = []
+        for name, pid in self.pids.items():
+            before, after = self.started[1][name], self.read(pid)
+            if before is not None and after is not None:
+                cpu = after - before
+                cells.append(f"{name} {1e6 * cpu / output_tokens:.1f} us ({cpu / wall:.0%})")
+        return "CPU per output token (share of one core): " + ", ".join(cells)
 
 
 async def wait_for_health(session: aiohttp.ClientSession, server: Server) -> None:
@@ -292,10 +379,11 @@ async def served_workload(server: Server, num_seqs: int, repeat: int, engines: i
         for r in range(repeat):
             requests = [([(i + r) % MAX_PROMPT_ID for i in prompt], p.max_tokens, p.temperature)
                         for prompt, p in zip(prompts, params)]
+            meter = CpuMeter(server)
             results, seconds = await run_requests(session, server.url, requests, None, None, 0)
             runs.append((sum(result.output_tokens for result in results), seconds))
             print(f"served run {r + 1}: {runs[-1][0]:,} output tokens in {seconds:.2f} s = "
-                  f"{runs[-1][0] / seconds:,.0f} tok/s", flush=True)
+                  f"{runs[-1][0] / seconds:,.0f} tok/s\n  {meter.report(runs[-1][0])}", flush=True)
         if engines > 1:
             print(f"engines in /metrics: {await engines_in_metrics(session, server.url)}", flush=True)
     return runs
@@ -337,13 +425,14 @@ def print_level(level: Level) -> None:
     print(level_row(level), flush=True)
 
 
-def model_path(name: str, device: str | None) -> Path:
+def model_path(name: str, device: str | None, overrides: dict | None = None) -> Path:
     if "/" in name:
         return Path(name).resolve()
     import torch
 
     from random_model import make_random_model
-    return Path(make_random_model(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    return Path(make_random_model(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                                  overrides=overrides))
 
 
 def stop_process(process: subprocess.Popen) -> None:
@@ -405,6 +494,8 @@ def compare_data_parallel_sizes(model: Path, env: dict[str, str], args) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--fake-handler"]:
+        sys.exit(serve_fake_handler())
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="a config name under bench/models or a model directory")
     parser.add_argument("--workload", choices=("latency", "nanovllm"), default="latency")
@@ -424,6 +515,10 @@ def main() -> None:
                         help="nanovllm: serve once per HFENDPOINT_DATA_PARALLEL_SIZE and compare the throughputs with "
                              "the first size's (instead of the offline run)")
     parser.add_argument("--device", help="HFENDPOINT_DEVICE for the handler (default: the handler's choice)")
+    parser.add_argument("--fake-tok-s", type=float, help="engines skip the forward and sampling, each producing this "
+                                                         "many tokens/s (the served path's capacity, on CPU)")
+    parser.add_argument("--fake-host-ms", type=float, default=0.0,
+                        help="with --fake-tok-s: Python run per step, holding the GIL (a GPU step's host side)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="record the handler's trace into FILE (bench/handler_trace; "
                                                         "read it with bench/serve_trace.py)")
@@ -436,8 +531,14 @@ def main() -> None:
         parser.error("--data-parallel-sizes compares served throughputs of the nanovllm workload: give --workload "
                      "nanovllm, without --offline-tok-s")
     sys.path[:0] = [str(HERE), str(ROOT)]  # bench's modules and this checkout's packages
-    model = model_path(args.model, args.device)
     env = {"HFENDPOINT_MAX_BATCHED_TOKENS": str(args.max_batched_tokens)}
+    if args.fake_tok_s is not None:
+        if args.trace:
+            parser.error("--trace follows `python -m handler`; --fake-tok-s runs this file as the handler")
+        args.device = args.device or "cpu"
+        env.update({FAKE_RATE_ENV: str(args.fake_tok_s), FAKE_HOST_ENV: str(args.fake_host_ms),
+                    "HFENDPOINT_CPU_KV_CACHE_GB": "0.25"})
+    model = model_path(args.model, args.device, TINY if args.fake_tok_s is not None else None)
     if args.device:
         env["HFENDPOINT_DEVICE"] = args.device
     if args.trace:

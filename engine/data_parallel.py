@@ -1,19 +1,25 @@
 """Data parallelism on one host: N engines, each with its own GPUs, KV pool and prefix cache, behind one
 handler.
 
-Engine 0 is the handler process's own Worker (on GPUs 0 .. TP-1); engines 1..N-1 are spawned processes, each
-running a Worker on its own TP GPUs (CUDA_VISIBLE_DEVICES narrowed to them before CUDA starts, so its
-tensor-parallel ranks count from its first GPU). DataParallelWorker offers the Worker's interface: each
-request goes where engine/router.py says (the longest cached prefix unless markedly busier), the choices of
-one completion to the engine of its first, and requests with a constraint (structured outputs, forced tool
-calls: xgrammar matchers that live in this process) and embeddings to engine 0.
+Every engine runs in a spawned process of its own, engine i on GPUs i x TP .. (i + 1) x TP - 1
+(CUDA_VISIBLE_DEVICES narrowed to them before CUDA starts, so its tensor-parallel ranks count from its first GPU):
+the handler's process keeps no engine, so its GIL serves only its event loop (routing, detokenizing, framing) and
+the engines' pipe readers, never an engine's step. DataParallelWorker offers the Worker's interface: each request
+goes where engine/router.py says (the longest cached prefix unless markedly busier), the choices of one completion
+to the engine of its first, and embeddings to engine 0. A request's constraint travels with it (it must pickle:
+handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt there); the handler's copy, which
+the engine never sees, replays the request's tokens when the request fails, so that it knows whether a token broke
+it as the engine's copy does.
 
-A spawned engine reads (method, args) messages from its pipe and sends back batches of RequestOutputs as its
-engine thread delivers them, and its stats every STATS_INTERVAL_S. One that exits ends its requests with an
+A spawned engine reads (method, args) messages from its pipe and sends back, from its engine thread, one message
+per step with the outputs of every request of that step (as plain tuples, the cheapest to pickle: PipeOutputs),
+its embeddings, and its stats every STATS_INTERVAL_S. One that exits ends its requests (and embedding calls) with an
 error and the handler is told (on_fatal), as a lost tensor-parallel rank does.
 """
 import asyncio
 import dataclasses
+import itertools
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -23,12 +29,15 @@ import weakref
 import torch
 
 from engine.config import EngineConfig
+from engine.engine_core import check_prompt
 from engine.router import PrefixRouter
 from engine.tensor_parallel import SHUTDOWN_GRACE_S, exit_when_orphaned, keep_off_protocol_streams
-from engine.worker import RequestOutput, Worker, _post, _put_all
+from engine.worker import RequestOutput, Worker, _post, _put_all, _set_future
 
+log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5
-# What the handler reads of a Worker besides its methods: a spawned engine reports them once it is ready.
+ENGINE_LOGGERS = ("engine", "models")  # INFO and up in an engine's process; other libraries' WARNING and up
+# What the handler reads of a Worker besides its methods: each engine reports them once it is ready.
 WORKER_FACTS = ("kind", "model_dir", "hidden_size", "vocab_size", "eos_token_ids", "max_model_len",
                 "max_embedding_tokens", "weight_bytes")
 SUMMED_STATS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "num_preemptions", "spec_drafted_tokens",
@@ -43,8 +52,8 @@ def make_worker(config: EngineConfig, on_fatal=None):
 
 
 def engine_devices(config: EngineConfig) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each engine (None: this process's, for engine 0 and on CPU); ValueError when
-    the host has fewer GPUs than data_parallel_size x tensor_parallel_size."""
+    """CUDA_VISIBLE_DEVICES for each engine (None on CPU); ValueError when the host has fewer GPUs than
+    data_parallel_size x tensor_parallel_size."""
     size, tp = config.data_parallel_size, config.tensor_parallel_size
     if config.torch_device.type != "cuda":
         return [None] * size
@@ -56,7 +65,7 @@ def engine_devices(config: EngineConfig) -> list[str | None]:
     if config.device not in ("auto", "cuda"):
         raise ValueError(f"device={config.device!r}: with data_parallel_size > 1 engine i runs on GPUs i x "
                          "tensor_parallel_size onwards; set HFENDPOINT_DEVICE to auto or cuda")
-    return [None] + [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(1, size)]
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(size)]
 
 
 class _Finishing:
@@ -78,27 +87,27 @@ class DataParallelWorker:
         devices = engine_devices(config)
         one = dataclasses.replace(config, data_parallel_size=1)
         self.config, self.on_fatal = config, on_fatal
-        self.remotes = [EngineProcess(one, index, devices[index], self._engine_lost)
-                        for index in range(1, config.data_parallel_size)]
+        self._lost: str | None = None
+        self._stopped = False
+        self.engines: list[EngineProcess] = []
         try:
-            self.local = Worker(one, on_fatal)
-            for remote in self.remotes:
-                remote.wait_ready()
+            for index in range(config.data_parallel_size):  # all started before any is waited for: they load at once
+                self.engines.append(EngineProcess(one, index, devices[index], self._engine_lost))
+            for engine in self.engines:
+                engine.wait_ready()
         except BaseException:
             self.shutdown()
             raise
         for fact in WORKER_FACTS:
-            setattr(self, fact, getattr(self.local, fact))
-        self.reads_images = False  # a prompt's images do not travel to the spawned engines: image parts are refused
+            setattr(self, fact, self.engines[0].facts[fact])
+        self.reads_images = False  # a prompt's images do not travel to the engines: image parts are refused
         if self.kind != "decoder":
             self.shutdown()
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: {config.model} is an embedding model, "
                              "served by one engine; set HFENDPOINT_DATA_PARALLEL_SIZE to 1")
-        capacities = [self.local.stats()["num_total_blocks"]] + [r.facts["num_total_blocks"] for r in self.remotes]
-        self.router = PrefixRouter(capacities, config.block_size)
+        self.router = PrefixRouter([engine.facts["num_total_blocks"] for engine in self.engines], config.block_size)
         self._engine_of: dict[object, int] = {}  # requests in flight -> engine index
         self._lock = threading.Lock()
-        self._lost: str | None = None
 
     # ---- the Worker's interface ------------------------------------------------------------------------
 
@@ -107,24 +116,19 @@ class DataParallelWorker:
         """Worker.submit's; images are refused (reads_images is False: the handler never sends any)."""
         if images:
             raise ValueError("images are not served with data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE > 1)")
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         queue = asyncio.Queue() if queue is None else queue
         with self._lock:
-            if self._lost:
-                raise RuntimeError(self._lost)
+            if self.unavailable:
+                raise RuntimeError(self.unavailable)
             if request_id in self._engine_of:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             if shares_prompt_with in self._engine_of:
                 engine = self._engine_of[shares_prompt_with]
-            elif constraint is not None or not self.remotes:
-                engine = 0
             else:
                 engine = self.router.choose(prompt_token_ids)
-            tracked = _Finishing(queue, self._finished)
-            if engine == 0:
-                self.local.submit(request_id, prompt_token_ids, params, constraint, tracked, shares_prompt_with)
-            else:
-                self.local.core.make_sequence(request_id, prompt_token_ids, params)  # its checks, here (ValueError)
-                self.remotes[engine - 1].submit(request_id, prompt_token_ids, params, tracked, shares_prompt_with)
+            self.engines[engine].submit(request_id, prompt_token_ids, params, constraint,
+                                        _Finishing(queue, self._finished), shares_prompt_with)
             self._engine_of[request_id] = engine
             self.router.started(engine, prompt_token_ids)
         return queue
@@ -132,35 +136,35 @@ class DataParallelWorker:
     def abort(self, request_id) -> None:
         with self._lock:
             engine = self._engine_of.get(request_id)
-        if engine == 0:
-            self.local.abort(request_id)
-        elif engine is not None:
-            self.remotes[engine - 1].abort(request_id)
+        if engine is not None:
+            self.engines[engine].abort(request_id)
 
     def engine_of(self, request_id) -> int | None:
-        """The engine serving a request in flight (0: this process's), or None."""
+        """The engine serving a request in flight, or None."""
         with self._lock:
             return self._engine_of.get(request_id)
 
     async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
-        return await self.local.embed(token_lists)
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
+        return await self.engines[0].embed(token_lists)
 
     def stats(self) -> dict:
         """The engines' counts summed (their mean prefix-cache hit rate), and each engine's own in `engines`."""
-        engines = [self.local.stats(), *(remote.stats() for remote in self.remotes)]
+        engines = [engine.stats() for engine in self.engines]
         total = {key: sum(stats.get(key, 0) for stats in engines) for key in SUMMED_STATS}
         total["prefix_cache_hit_rate"] = sum(s.get("prefix_cache_hit_rate", 0.0) for s in engines) / len(engines)
         return {**total, "engines": engines}
 
     @property
     def unavailable(self) -> str | None:
-        return self._lost or self.local.unavailable
+        """Why the engines take no more work (one was lost, or they shut down), or None."""
+        return self._lost or ("the engine has shut down" if self._stopped else None)
 
     def shutdown(self) -> None:
-        if getattr(self, "local", None) is not None:
-            self.local.shutdown()
-        for remote in self.remotes:
-            remote.shutdown()
+        self._stopped = True
+        for engine in self.engines:
+            engine.shutdown()
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
@@ -171,27 +175,38 @@ class DataParallelWorker:
                 self.router.finished(engine)
 
     def _engine_lost(self, reason: str) -> None:
-        """A spawned engine exited: its requests have been failed; every later call fails too."""
+        """An engine exited: its requests have been failed; every later call fails too."""
         with self._lock:
             self._lost = f"{reason}: the engine cannot go on"
         if self.on_fatal:
             self.on_fatal(self._lost)
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A request an engine process serves, as the handler tracks it."""
+    queue: _Finishing
+    loop: asyncio.AbstractEventLoop
+    constraint: object = None  # the handler's copy, which replays the request's tokens if the request fails
+    token_ids: list[int] | None = None  # the request's tokens so far, kept only when it has a constraint
+
+
 class EngineProcess:
-    """Engine `index` in a spawned process: its Worker's submit and abort over a pipe, and its last stats."""
+    """Engine `index` in a spawned process: its Worker's submit, abort and embed over a pipe, and its last stats."""
 
     def __init__(self, config: EngineConfig, index: int, devices: str | None, on_lost):
         self.index, self.on_lost = index, on_lost
         context = multiprocessing.get_context("spawn")
         self.pipe, theirs = context.Pipe()
-        self.process = context.Process(target=run_engine, args=(config, devices, theirs, os.getpid()),
+        self.process = context.Process(target=run_engine, args=(config, index, devices, theirs, os.getpid()),
                                        name=f"data-parallel-engine-{index}")  # not daemonic: it may start TP ranks
         self.process.start()
         theirs.close()
         self.facts: dict = {}
         self.last_stats: dict = {}
-        self._requests: dict[object, tuple[_Finishing, asyncio.AbstractEventLoop]] = {}
+        self._requests: dict[object, _InFlight] = {}
+        self._embeddings: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._stopping = False
         # at interpreter exit too: multiprocessing would otherwise wait forever for the (non-daemonic) engine
@@ -208,18 +223,33 @@ class EngineProcess:
             raise RuntimeError(f"data-parallel engine {self.index} could not load the model: {payload}")
         self.facts = payload
         self.last_stats = payload["stats"]
+        log.info(f"data-parallel engine {self.index} ready (pid {self.process.pid})")
         threading.Thread(target=self._read, name=f"data-parallel-engine-{self.index}", daemon=True).start()
 
-    def submit(self, request_id, prompt_token_ids: list[int], params, queue: _Finishing,
+    def submit(self, request_id, prompt_token_ids: list[int], params, constraint, queue: _Finishing,
                shares_prompt_with=None) -> None:
+        request = _InFlight(queue, asyncio.get_running_loop(), constraint, [] if constraint is not None else None)
         with self._lock:
-            self._requests[request_id] = (queue, asyncio.get_running_loop())
-            self.pipe.send(("submit", (request_id, prompt_token_ids, params, shares_prompt_with)))
+            self._requests[request_id] = request
+            self._send("submit", (request_id, prompt_token_ids, params, constraint, shares_prompt_with))
 
     def abort(self, request_id) -> None:
         with self._lock:
             if request_id in self._requests:
-                self.pipe.send(("abort", (request_id,)))
+                self._send("abort", (request_id,))
+
+    async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._embeddings[call_id] = (future, loop)
+            self._send("embed", (call_id, token_lists))
+        try:
+            return await future
+        finally:
+            with self._lock:
+                self._embeddings.pop(call_id, None)
 
     def stats(self) -> dict:
         return self.last_stats
@@ -229,35 +259,77 @@ class EngineProcess:
         self._stopping = True
         self._stop()
 
+    def _send(self, kind: str, args: tuple) -> None:
+        """Under the lock; an engine that has gone is reported by the reader, which fails the request."""
+        try:
+            self.pipe.send((kind, args))
+        except OSError:
+            pass
+
     def _read(self) -> None:
-        """Outputs to their requests' queues, on their event loops, until the engine's pipe closes."""
+        """The engine's messages, until its pipe closes: outputs to their requests' queues on their event loops."""
         while True:
             try:
                 kind, payload = self.pipe.recv()
             except (EOFError, OSError):
                 break
-            if kind == "stats":
+            if kind == "outputs":
+                self._deliver(payload)
+            elif kind == "stats":
                 self.last_stats = payload
-                continue
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-            with self._lock:
-                for output in payload:
-                    queue, loop = self._requests[output.request_id]
-                    if output.finish_reason is not None:
-                        del self._requests[output.request_id]
-                    by_loop.setdefault(loop, []).append((queue, output))
-            for loop, items in by_loop.items():
-                _post(loop, _put_all, items)
+            elif kind == "embedded":
+                self._answer_embedding(*payload)
         if not self._stopping:
             self._fail_in_flight(f"data-parallel engine {self.index} exited (exit code {self.process.exitcode})")
 
+    def _deliver(self, fields: list[tuple]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for values in fields:
+                output = RequestOutput._make(values)
+                request = self._requests.get(output.request_id)
+                if request is None:  # failed here already (the engine was lost meanwhile)
+                    continue
+                if output.finish_reason is not None:
+                    del self._requests[output.request_id]
+                if request.constraint is not None:
+                    follow_constraint(request, output)
+                by_loop.setdefault(request.loop, []).append((request.queue, output))
+        for loop, items in by_loop.items():
+            _post(loop, _put_all, items)
+
+    def _answer_embedding(self, call_id: int, vectors, error: tuple[str, str] | None) -> None:
+        with self._lock:
+            future, loop = self._embeddings.get(call_id, (None, None))
+        if future is not None:
+            _post(loop, _set_future, future, vectors, None if error is None else embedding_error(*error))
+
     def _fail_in_flight(self, reason: str) -> None:
         self.on_lost(reason)  # first: no request is taken once those in flight have failed
+        error = f"{reason}: the engine cannot go on"
         with self._lock:
             requests, self._requests = self._requests, {}
-        for request_id, (queue, loop) in requests.items():
-            _post(loop, _put_all, [(queue, RequestOutput(request_id, [], "error", f"{reason}: the engine cannot go on",
-                                                         0, 0, 0))])
+            embeddings = list(self._embeddings.values())
+        for request_id, request in requests.items():
+            _post(request.loop, _put_all, [(request.queue, RequestOutput(request_id, [], "error", error, 0, 0, 0))])
+        for future, loop in embeddings:
+            _post(loop, _set_future, future, None, RuntimeError(error))
+
+
+def follow_constraint(request: _InFlight, output: RequestOutput) -> None:
+    """Keeps a constrained request's tokens; when it fails, its handler-side constraint accepts them as the engine's
+    copy did, so that it too has met the token that broke it, if one did (the engine's copy accepted every token
+    before that one, and a request that fails took no stop token)."""
+    request.token_ids += output.new_token_ids
+    if output.finish_reason == "error":
+        for token_id in request.token_ids:
+            if not request.constraint.accept_token(token_id):
+                break
+
+
+def embedding_error(kind: str, message: str) -> Exception:
+    """The engine's exception, as ValueError (bad input) or RuntimeError."""
+    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
 
 
 def stop_engine(process, pipe, lock: threading.Lock) -> None:
@@ -274,10 +346,11 @@ def stop_engine(process, pipe, lock: threading.Lock) -> None:
 
 # ---- the spawned engine --------------------------------------------------------------------------------
 
-def run_engine(config: EngineConfig, devices: str | None, pipe, parent_pid: int) -> None:
+def run_engine(config: EngineConfig, index: int, devices: str | None, pipe, parent_pid: int) -> None:
     """A spawned engine: load the model on its GPUs, report its facts, then serve the parent's requests."""
     threading.Thread(target=exit_when_orphaned, args=(parent_pid,), name="orphan-watchdog", daemon=True).start()
     keep_off_protocol_streams()
+    log_as_engine(index)
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     try:
@@ -294,23 +367,76 @@ def run_engine(config: EngineConfig, devices: str | None, pipe, parent_pid: int)
     os._exit(0)
 
 
+def log_as_engine(index: int) -> None:
+    """The engine's lines (its start-up phases, its problems) on stderr, which it shares with the handler, each
+    naming the engine."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s (data-parallel engine "
+                                                      f"{index}): %(message)s")
+    for name in ENGINE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
+class PipeOutputs:
+    """An engine process's outputs queue and the loop they are posted through, both at once: the engine thread's
+    call_soon_threadsafe runs the delivery there and then (PipeOutputs gathers what it puts) and sends the step's
+    outputs down the pipe as one message; no event loop stands between the step and the pipe. The lock orders
+    every send on the pipe. A full pipe (the handler behind) holds the engine thread until the handler reads."""
+
+    def __init__(self, pipe, lock: threading.Lock):
+        self.pipe, self.lock = pipe, lock
+        self.gathered: list[tuple] = []
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self.gathered.append(tuple(output))
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        with self.lock:
+            callback(*args)
+            gathered, self.gathered = self.gathered, []
+            if gathered:
+                self._send("outputs", gathered)
+
+    def send(self, kind: str, payload) -> None:
+        with self.lock:
+            self._send(kind, payload)
+
+    def _send(self, kind: str, payload) -> None:
+        try:
+            self.pipe.send((kind, payload))
+        except OSError:  # the handler has gone: nobody to tell (the orphan watchdog ends this process)
+            pass
+
+
 async def serve(worker: Worker, pipe) -> None:
-    """Runs the parent's submit and abort calls on the worker and sends its outputs back, batched."""
+    """Runs the parent's submit, abort and embed calls on the worker; its outputs go back from its engine thread
+    (PipeOutputs), its embeddings and stats from here."""
     loop = asyncio.get_running_loop()
-    outputs: asyncio.Queue = asyncio.Queue()
+    outputs = PipeOutputs(pipe, threading.Lock())
     stopped = loop.create_future()
+    embeddings: set[asyncio.Task] = set()
 
     def handle(kind: str, args: tuple) -> None:
         if kind == "submit":
-            request_id, prompt, params, shares_prompt_with = args
+            request_id, prompt, params, constraint, shares_prompt_with = args
             try:
-                worker.submit(request_id, prompt, params, queue=outputs, shares_prompt_with=shares_prompt_with)
+                worker.submit(request_id, prompt, params, constraint, outputs, shares_prompt_with, loop=outputs)
             except (ValueError, RuntimeError) as exc:  # checked by the parent first: only a lost engine
-                outputs.put_nowait(RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0))
+                failed = RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0)
+                outputs.call_soon_threadsafe(_put_all, [(outputs, failed)])
         elif kind == "abort":
             worker.abort(*args)
+        elif kind == "embed":
+            task = loop.create_task(embed(*args))
+            embeddings.add(task)
+            task.add_done_callback(embeddings.discard)
         elif not stopped.done():
             stopped.set_result(None)
+
+    async def embed(call_id: int, token_lists: list[list[int]]) -> None:
+        try:
+            outputs.send("embedded", (call_id, await worker.embed(token_lists), None))
+        except Exception as exc:  # noqa: BLE001 - the caller's to raise
+            outputs.send("embedded", (call_id, None, (type(exc).__name__, str(exc))))
 
     def read() -> None:
         while True:
@@ -324,19 +450,12 @@ async def serve(worker: Worker, pipe) -> None:
 
     threading.Thread(target=read, name="engine-pipe", daemon=True).start()
 
-    async def send_outputs() -> None:
-        while True:
-            batch = [await outputs.get()]
-            while not outputs.empty():
-                batch.append(outputs.get_nowait())
-            pipe.send(("outputs", batch))
-
     async def send_stats() -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            pipe.send(("stats", worker.stats()))
+            outputs.send("stats", worker.stats())
 
-    tasks = [loop.create_task(send_outputs()), loop.create_task(send_stats())]
+    stats = loop.create_task(send_stats())
     await stopped
-    for task in tasks:
+    for task in [stats, *embeddings]:
         task.cancel()

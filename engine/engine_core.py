@@ -51,15 +51,7 @@ class EngineCore:
         serves no generation)."""
         if not self.runner.can_generate:
             raise ValueError(f"model {self.model} is an embedding model (no LM head): it serves embeddings only")
-        if not prompt_token_ids:
-            raise PromptRejected("the prompt is empty: it needs at least one token")
-        if len(prompt_token_ids) + 1 > self.max_model_len:
-            raise PromptRejected(f"the prompt has {len(prompt_token_ids)} tokens; with at least one token to "
-                             f"generate it must be shorter than max_model_len={self.max_model_len}")
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= self.runner.vocab_size:
-            raise PromptRejected(f"token id {low if low < 0 else high} is outside the vocabulary "
-                             f"[0, {self.runner.vocab_size})")
+        check_prompt(prompt_token_ids, self.max_model_len, self.runner.vocab_size)
 
     def make_sequence(self, request_id, prompt_token_ids: list[int], params, constraint=None,
                       shares_prompt_with: Sequence | None = None, images: list[PromptImage] = ()) -> Sequence:
@@ -225,6 +217,18 @@ class EngineCore:
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
                 "prefix_cache_hit_rate": bm.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
                 **(self.speculator.stats() if self.speculator else NO_SPECULATION)}
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """PromptRejected saying what is wrong with a prompt no engine of this model can serve."""
+    if not prompt_token_ids:
+        raise PromptRejected("the prompt is empty: it needs at least one token")
+    if len(prompt_token_ids) + 1 > max_model_len:
+        raise PromptRejected(f"the prompt has {len(prompt_token_ids)} tokens; with at least one token to "
+                             f"generate it must be shorter than max_model_len={max_model_len}")
+    low, high = min(prompt_token_ids), max(prompt_token_ids)
+    if low < 0 or high >= vocab_size:
+        raise PromptRejected(f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
 
 
 def eos_token_ids(loaded) -> tuple[int, ...]:

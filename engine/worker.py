@@ -9,6 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.embed_queue import EmbedJob, EmbedQueue, finished_jobs, jobs_of
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 LOST_ENGINE_JOIN_S = 5.0
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """What a request's delivery carries (a tuple: cheap to make and to pickle, engine/data_parallel.py)."""
     request_id: object
     new_token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; set only on a request's last item
@@ -83,17 +84,19 @@ class Worker:
     # ---- called from the event loop (any thread) ------------------------------------------------
 
     def submit(self, request_id, prompt_token_ids: list[int], params: SamplingParams, constraint=None,
-               queue: asyncio.Queue | None = None, shares_prompt_with=None, images=()) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, shares_prompt_with=None, images=(), loop=None) -> asyncio.Queue:
         """Queues a generation request; its outputs arrive on the returned queue (`queue` when given: requests
         may share one, their outputs told apart by request_id). constraint: engine/constraints.py.
         shares_prompt_with: the id of a request in flight with the same prompt, whose prompt blocks this one
-        takes from the prefix cache. images: the prompt's (engine/images.py's PromptImage). Bad input -> ValueError."""
+        takes from the prefix cache. images: the prompt's (engine/images.py's PromptImage). loop: what the engine
+        thread hands each step's outputs to with call_soon_threadsafe (default: the running event loop). Bad input
+        -> ValueError."""
         if self.core is None:
             raise ValueError(f"model {self.config.model} is an embedding model: it serves embeddings only")
         with self._cond:
             leader = self._requests.get(shares_prompt_with) if shares_prompt_with is not None else None
         seq = self.core.make_sequence(request_id, prompt_token_ids, params, constraint, leader and leader.seq, images)
-        request = _Request(seq, asyncio.Queue() if queue is None else queue, asyncio.get_running_loop())
+        request = _Request(seq, asyncio.Queue() if queue is None else queue, loop or asyncio.get_running_loop())
         with self._cond:
             self._check_running()
             if request_id in self._requests:
@@ -231,7 +234,7 @@ class Worker:
             request = self._requests.get(seq.request_id)
             if request is None or (token_id is None and not seq.is_finished):
                 continue
-            new_token_ids = [] if token_id is None else seq.output_token_ids[request.num_sent:]
+            new_token_ids = [] if token_id is None else seq.token_ids[seq.num_prompt_tokens + request.num_sent:]
             logprobs = (seq.logprobs[request.num_sent:] if token_id is not None and seq.params.logprobs is not None
                         else None)
             first = request.num_sent == 0 and bool(new_token_ids)

@@ -87,11 +87,14 @@ class RequestStream:
         self.finished = False
 
     async def next(self, timeout: float):
-        try:
-            async with asyncio.timeout(timeout):
-                reply = await self.queue.get()
-        except TimeoutError:
-            raise TimeoutError(f"the handler sent nothing for request {self.id} in {timeout:g} s") from None
+        if self.queue.empty():
+            try:
+                async with asyncio.timeout(timeout):
+                    reply = await self.queue.get()
+            except TimeoutError:
+                raise TimeoutError(f"the handler sent nothing for request {self.id} in {timeout:g} s") from None
+        else:  # arrived already: no timer to set and cancel
+            reply = self.queue.get_nowait()
         if reply is _GONE:
             raise HandlerGone("the handler exited")
         if isinstance(reply.get("error"), str):
@@ -204,7 +207,10 @@ class HandlerConnection:
             self._stray_replies.error("dropping replies for requests not in flight (cancelled ones, whose replies "
                                       "were on their way)", f"request {request_id!r:.40}")
             return
-        await stream.queue.put(reply)
+        if stream.queue.full():  # the production daemon's stall: every request waits for this one's reader
+            await stream.queue.put(reply)
+        else:
+            stream.queue.put_nowait(reply)
 
     def _mark_gone(self) -> None:
         if self.closed.done():

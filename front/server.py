@@ -279,8 +279,11 @@ async def complete_chat(request: web.Request, data: dict, name: str = "chat_comp
     return reply
 
 
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + compact_json(obj).encode() + b"\n\n"
 
 
 async def stream_chat(request: web.Request, body: dict, fields: StreamFields,
@@ -296,6 +299,7 @@ async def stream_chat(request: web.Request, body: dict, fields: StreamFields,
     response = None
     usage = None
     started = set()  # choices that have had their first delta
+    events = []  # written together once no more chunks have arrived: one write for a backlog, not one per chunk
     try:
         chunks = chat_chunks(request, stream)
         try:
@@ -306,14 +310,21 @@ async def stream_chat(request: web.Request, body: dict, fields: StreamFields,
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache"})
                     await response.prepare(request)
+                    framing = sse_framing(base, include_usage)
                 usage = payload.get("usage") or usage
-                await response.write(sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})}))
+                events += (framing[0], compact_json(choice), framing[1])
+                if stream.queue.empty():
+                    await response.write("".join(events).encode())
+                    events.clear()
+            if events:
+                await response.write("".join(events).encode())
         except (HandlerError, HandlerGone, TimeoutError) as exc:
             if response is None:
                 raise
             status, param, code = ((exc.status, exc.param, exc.code) if isinstance(exc, HandlerError)
                                    else (500, None, None))
-            await response.write(b"event: error\n" + sse(error_body(status, str(exc), param, code)))
+            events.append("event: error\n")
+            await response.write("".join(events).encode() + sse(error_body(status, str(exc), param, code)))
             return response
         if include_usage:
             await response.write(sse({**base, "choices": [], "usage": usage}))
@@ -324,6 +335,14 @@ async def stream_chat(request: web.Request, body: dict, fields: StreamFields,
         return response
     finally:
         stream.close()  # sends `cancel` when the client went away before the last chunk
+
+
+def sse_framing(base: dict, include_usage: bool) -> tuple[str, str]:
+    """The text of a stream's SSE events before and after their one choice (the other keys, the same in every event,
+    encoded once), as sse({**base, "choices": [choice], "usage": None}) frames them ("usage" with include_usage)."""
+    text = compact_json({**base, "choices": [None], **({"usage": None} if include_usage else {})})
+    before, after = text.split('"choices":[null]')
+    return f'data: {before}"choices":[', f"]{after}\n\n"
 
 
 # Legacy completions (the handler's `completions` call, docs/completions.md)

@@ -11,6 +11,7 @@ The grammars write compact JSON (", " and ": " as separators, no other whitespac
 no property a schema does not list: both narrow what a schema allows to outputs that still satisfy it, and
 keep a small model sampled at a high temperature from wandering into endless whitespace or extra keys.
 """
+import functools
 import warnings
 from collections import OrderedDict
 
@@ -59,10 +60,16 @@ class Grammars:
         self._remember(schema, compiled)
         return compiled
 
+    @functools.cached_property
+    def info_json(self) -> str:
+        """The tokenizer info, serialized: for the compiling processes, and with each constraint that goes to a
+        data-parallel engine's process (GrammarConstraint)."""
+        return self.info.serialize_json()
+
     def start_compilers(self) -> GrammarCompilerPool:
         """The compiling processes, started on first use (the handler starts them with the service)."""
         if self._pool is None:
-            self._pool = GrammarCompilerPool(self.info.serialize_json(), self._deserialize, COMPILE_PROCESSES,
+            self._pool = GrammarCompilerPool(self.info_json, self._deserialize, COMPILE_PROCESSES,
                                              self.max_grammar_bytes)
         return self._pool
 
@@ -78,14 +85,21 @@ class Grammars:
 
 
 class GrammarConstraint:
-    """One choice's grammar as the engine drives it (engine/constraints.py)."""
+    """One choice's grammar as the engine drives it (engine/constraints.py). It pickles as its grammar's JSON and
+    its tokenizer info's (info_json, Grammars.info_json, saves serializing it for each request), for an engine in
+    another process (engine/data_parallel.py), which builds a matcher of its own from them."""
 
-    __slots__ = ("matcher", "broken")
+    __slots__ = ("matcher", "broken", "compiled", "info_json")
     batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, info_json: str | None = None):
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.broken = False  # a token it did not allow came: its grammar allowed none (a dead end)
+        self.compiled, self.info_json = compiled, info_json
+
+    def __reduce__(self):
+        info_json = self.info_json or self.compiled.tokenizer_info.serialize_json()
+        return rebuilt_constraint, (self.compiled.serialize_json(), info_json)
 
     def accept_token(self, token_id: int) -> bool:
         accepted = self.matcher.accept_token(token_id)
@@ -103,3 +117,14 @@ class GrammarConstraint:
         if cls.batch is None:
             cls.batch = xgrammar.BatchGrammarMatcher()
         cls.batch.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, rows)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_info(info_json: str) -> xgrammar.TokenizerInfo:
+    return xgrammar.TokenizerInfo.deserialize_json(info_json)
+
+
+def rebuilt_constraint(grammar_json: str, info_json: str) -> GrammarConstraint:
+    """A pickled GrammarConstraint, in the process that unpickles it (the tokenizer info deserialized once)."""
+    info = _tokenizer_info(info_json)
+    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, info), info_json)

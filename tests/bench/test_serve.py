@@ -67,16 +67,22 @@ def test_the_nanovllm_workload_is_repeated_served_and_offline(tmp_path):
                      result.stdout)
 
 
-@pytest.mark.slow  # our front, a handler process and a spawned engine
-def test_the_nanovllm_workload_is_served_at_each_data_parallel_size(tmp_path):
+@pytest.mark.slow  # our front, a handler process and two spawned engines
+def test_the_nanovllm_workload_is_served_at_each_data_parallel_size_by_engines_without_a_device(tmp_path):
+    """--fake-tok-s: the engines' steps skip the model, each producing tokens at the given rate; each process's CPU
+    per output token is reported."""
     model = tiny_model(tmp_path / "tiny")
-    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--device", "cpu",
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--fake-tok-s", "2000",
                "--workload", "nanovllm", "--num-seqs", "3", "--data-parallel-sizes", "1", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     served = [int(tokens.replace(",", "")) for tokens in re.findall(r"served run 1: ([\d,]+) output tokens",
                                                                     result.stdout)]
     assert len(served) == 2 and served[0] == served[1]  # the whole workload at either size
+    cpu = re.findall(r"CPU per output token \(share of one core\): (.*)", result.stdout)
+    assert len(cpu) == 2
+    assert [re.findall(r"(\w+(?: \d)?) [\d.]+ us \(\d+%\)", line) for line in cpu] == [
+        ["client", "front", "handler"], ["client", "front", "handler", "engine 0", "engine 1"]]
     assert "engines in /metrics: 2" in result.stdout
     assert re.search(r"data parallel 1: [\d,]+ tok/s, 1\.00x data parallel 1\n"
                      r"data parallel 2: [\d,]+ tok/s, \d+\.\d\dx data parallel 1", result.stdout)

@@ -1,13 +1,20 @@
-"""Data parallelism (engine/data_parallel.py): two engines, one of them a spawned process, answering
-concurrent requests as transformers does, routed by prefix and load; GPU assignment; a lost engine."""
+"""Data parallelism (engine/data_parallel.py): two engines, each a spawned process, answering concurrent requests as
+transformers does, routed by prefix and load; constrained requests and embeddings on them; GPU assignment; a lost
+engine."""
 import asyncio
 
 import pytest
+import torch
+import xgrammar
+from test_constraints import SCHEMA, STOP, VOCAB, masked_greedy, tiny_vocabulary
 
-from engine import EngineConfig, SamplingParams
-from engine.data_parallel import DataParallelWorker, engine_devices
+from engine import EngineConfig, SamplingParams, Worker
+from engine.data_parallel import DataParallelWorker, _InFlight, engine_devices, follow_constraint
+from engine.worker import RequestOutput
+from handler.grammar import GrammarConstraint
 
 NEW = 12
+NEW_CONSTRAINED = 24
 
 
 async def collect(queue):
@@ -73,11 +80,15 @@ def test_choices_of_one_completion_share_their_engine(two_engines, prompts_of_le
     assert first_choice != busy_engine  # the least loaded
     assert second_choice == first_choice  # not the least loaded any more, but where its prompt is
     assert results[2][1].num_cached_tokens == 32  # the first choice's two full prompt blocks, shared there
+    worker.shutdown()
+    assert worker.unavailable == "the engine has shut down"
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit("late", prompt, params)
 
 
 def test_a_lost_engine_fails_its_requests_and_tells_the_handler(two_engines, prompts_of_lengths):
     worker = two_engines
-    remote = worker.remotes[0]
+    remote = worker.engines[1]
     params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
     async def main():
@@ -96,7 +107,7 @@ def test_a_lost_engine_fails_its_requests_and_tells_the_handler(two_engines, pro
 def test_each_engine_gets_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     config = EngineConfig("unused", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
-    assert engine_devices(config) == [None, "6,7"]  # engine 0 in the handler's process takes 4 and 5
+    assert engine_devices(config) == ["4,5", "6,7"]
     assert engine_devices(EngineConfig("unused", device="cpu", data_parallel_size=3)) == [None] * 3
     with pytest.raises(ValueError, match="needs 6 GPUs but 4 are visible"):
         engine_devices(EngineConfig("unused", device="cuda", data_parallel_size=3, tensor_parallel_size=2))
@@ -120,3 +131,47 @@ def test_data_parallel_engines_of_tensor_parallel_ranks(tiny_llama, prompts_of_l
         worker.shutdown()
     assert engines == {0, 1}
     assert [tokens for tokens, _ in results] == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
+
+
+@pytest.mark.slow  # two engine processes and a third engine
+def test_constrained_requests_and_embeddings_run_in_the_engine_processes(two_engines, tiny_llama):
+    """A constraint travels to its engine's process as its grammar (the handler's copy stays here), and decodes there
+    as transformers does with the grammar's mask applied by hand; embeddings come from engine 0's process."""
+    worker = two_engines
+    info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[STOP])
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    prompts = [[5, 17, 40, 3, 99, 12], [8, 2, 77]]
+    params = SamplingParams(temperature=0, max_tokens=NEW_CONSTRAINED, stop_token_ids=[STOP])
+
+    async def main():
+        queues = [worker.submit(i, prompt, params, GrammarConstraint(grammar)) for i, prompt in enumerate(prompts)]
+        engines = {worker.engine_of(i) for i in range(len(prompts))}
+        vectors = await worker.embed(prompts)
+        return engines, await asyncio.gather(*(collect(q) for q in queues)), vectors
+
+    engines, results, vectors = asyncio.run(main())
+    assert engines == {0, 1}
+    assert [tokens for tokens, _ in results] == [masked_greedy(tiny_llama, p, grammar, NEW_CONSTRAINED)
+                                                 for p in prompts]
+    one = Worker(EngineConfig(tiny_llama.path, device="cpu"))
+    try:
+        expected = asyncio.run(one.embed(prompts))
+    finally:
+        one.shutdown()
+    assert torch.allclose(torch.tensor(vectors), torch.tensor(expected), atol=1e-6)
+
+
+def test_a_failed_constrained_request_tells_the_handlers_constraint_whether_a_token_broke_it():
+    info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[STOP])
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    opening, closing = tiny_vocabulary().index("{"), tiny_vocabulary().index("}")
+
+    def failed(tokens_per_output: list[list[int]]) -> bool:
+        request = _InFlight(None, None, GrammarConstraint(grammar), [])
+        for i, tokens in enumerate(tokens_per_output):
+            last = i == len(tokens_per_output) - 1
+            follow_constraint(request, RequestOutput(0, tokens, "error" if last else None, "failed", 3, 0, 0))
+        return request.constraint.broken
+
+    assert failed([[opening], [closing]])  # "{}" lacks the required keys: the engine's copy refused the "}"
+    assert not failed([[opening], []])  # failed for another reason (a lost engine): no token broke it

@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from front.openai_chat import ChatReply, stream_choice
+from front.server import compact_json, sse, sse_framing
 
 KEY = "test-key"
 ASK = [{"role": "user", "content": "weather?"}]
@@ -72,3 +73,14 @@ def test_a_plain_chunk_streams_as_before():
     assert stream_choice({"content": "Hi", "finish_reason": None}, started) == {
         "index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None, "logprobs": None}
     assert stream_choice({"content": "", "finish_reason": "stop"}, started)["delta"] == {"content": ""}
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_sse_framing_frames_each_choice_as_sse_encodes_the_whole_chunk(include_usage):
+    """The front encodes the keys every event of a stream shares once; the events are the bytes sse() writes."""
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m\u00e9"}
+    before, after = sse_framing(base, include_usage)
+    for payload in ({"content": "h\u00e9\n\"x\""}, {"content": "", "finish_reason": "stop", "usage": {"x": 1}}):
+        choice = stream_choice(payload, set())
+        whole = sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+        assert (before + compact_json(choice) + after).encode() == whole
