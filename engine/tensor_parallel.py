@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,8 @@ from transformers import AutoConfig
 from engine.config import EngineConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
-from engine.startup_log import phase
-from kernels import gpu_features
+from engine.startup_log import phase, timed
+from kernels import gpu_features, load_backend
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
 
@@ -66,14 +67,20 @@ def check_ranks(config: EngineConfig, size: int) -> None:
 
 def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParallelRanks | None"]:
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
-    theirs. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
+    theirs, and on a GPU while a thread imports the kernels (Triton's compiler among them) that the first forward
+    would import otherwise. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
     check_config(config)
     gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+    device = ranks.device if ranks else config.torch_device
     try:
-        with phase("weights", lambda: weights_size(loaded.model)):
-            loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
-                                config.cache_dir, config.max_model_len, config.fp8_gemm)
+        with ThreadPoolExecutor(1, thread_name_prefix="kernel-imports") as pool:
+            kernels = pool.submit(timed, "kernel imports", load_backend, "cuda") if device.type == "cuda" else None
+            with phase("weights", lambda: weights_size(loaded.model)):
+                loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
+                                    config.fp8_gemm, config.load_threads)
+            if kernels:
+                kernels.result()
         if ranks:
             ranks.wait_loaded()
     except BaseException:
@@ -218,7 +225,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     gpu_features.configure(config.disabled_gpu_features)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                            config.fp8_gemm)
+                            config.fp8_gemm, config.load_threads)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(f"{type(exc).__name__}: {exc}")
         return
