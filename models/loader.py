@@ -6,11 +6,11 @@ lazy slice, so a tensor-parallel rank reads only the rows it keeps. A NameMap sa
 (and which slice of a fused one) each checkpoint name fills.
 
 Loading with several threads runs the weight loaders of different tensors at once: their copies (page-cache
-reads, dtype conversions, uploads) leave Python's lock, so they overlap. A GPU model's slices then reach the
-device through DeviceUploads: each thread copies a read into small pinned chunks, two in turn, from which the
-device copies at full speed while the thread fills the other (a copy from pageable memory is staged by the
-driver one piece at a time instead). The weight loader gets the tensor on the device and slices, converts and
-copies it there.
+reads, uploads) leave Python's lock, so they overlap. A GPU model's slices then reach the device through
+DeviceUploads: each thread copies a read into small pinned chunks, two in turn, from which the device copies at
+full speed while the thread fills the other (a copy from pageable memory is staged by the driver one piece at a
+time instead). The weight loader gets the tensor on the device and slices, converts and copies it there. On the
+CPU torch's own threads already share each copy: models/registry.py loads with one thread there.
 """
 
 import contextlib
@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
@@ -162,6 +163,7 @@ class DeviceUploads:
         if not hasattr(local, "stream"):
             local.stream = torch.cuda.Stream(self.device)
             local.chunks = [torch.empty(UPLOAD_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            local.chunk_arrays = [chunk.numpy() for chunk in local.chunks]
             local.copied = [torch.cuda.Event() for _ in range(2)]  # each chunk's last copy to the device
             local.turn = 0
         return local
@@ -185,15 +187,15 @@ class DeviceUploads:
         host = host.contiguous()
         with torch.cuda.device(self.device), torch.cuda.stream(local.stream):
             uploaded = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            source, target = host.reshape(-1).view(torch.uint8), uploaded.reshape(-1).view(torch.uint8)
-            for start in range(0, source.numel(), UPLOAD_CHUNK_BYTES):
-                length = min(UPLOAD_CHUNK_BYTES, source.numel() - start)
-                chunk, copied = local.chunks[local.turn], local.copied[local.turn]
-                local.turn ^= 1
-                copied.synchronize()  # the device has copied what the chunk held before
-                chunk[:length].copy_(source[start:start + length])
-                target[start:start + length].copy_(chunk[:length], non_blocking=True)
-                copied.record(local.stream)
+            source, target = host.reshape(-1).view(torch.uint8).numpy(), uploaded.reshape(-1).view(torch.uint8)
+            for start in range(0, source.size, UPLOAD_CHUNK_BYTES):
+                length = min(UPLOAD_CHUNK_BYTES, source.size - start)
+                turn, local.turn = local.turn, local.turn ^ 1
+                local.copied[turn].synchronize()  # the device has copied what the chunk held before
+                # numpy's copy: one thread (torch's would start a team of OpenMP threads in every loading thread)
+                np.copyto(local.chunk_arrays[turn][:length], source[start:start + length])
+                target[start:start + length].copy_(local.chunks[turn][:length], non_blocking=True)
+                local.copied[turn].record(local.stream)
         return uploaded
 
 

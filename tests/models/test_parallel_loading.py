@@ -1,14 +1,16 @@
 """Loading a checkpoint with several threads (HFENDPOINT_LOAD_THREADS) fills every parameter exactly as loading one
-tensor at a time does, and still names a tensor that does not fit; on a GPU, through the threads' pinned uploads
-and through the host when the device lacks the room."""
+tensor at a time does, and still names a tensor that does not fit: the loaders on a pool's threads (on the CPU,
+where a model loads with one thread, called directly), and on a GPU through the threads' pinned uploads and
+through the host when the device lacks the room."""
 import json
 
 import pytest
 import torch
 from decoder_testing import save_tiny_model
-from transformers import Qwen3Config
+from transformers import AutoConfig, Qwen3Config
 
-from models.registry import load_model
+from models.loader import load_safetensors
+from models.registry import build_decoder, load_model
 from random_decoders import save_fp8_decoder
 
 CPU = torch.device("cpu")
@@ -17,7 +19,11 @@ SHARD = "20KB"  # several shards, so the threads read from more than one file
 
 
 def loaded_state(path, dtype: torch.dtype, device: torch.device, threads: int) -> dict[str, torch.Tensor]:
-    model = load_model(str(path), dtype, device, load_threads=threads).model
+    if device.type == "cpu":  # load_model loads with one thread on the CPU
+        model = build_decoder(AutoConfig.from_pretrained(path), dtype, device)
+        load_safetensors(model, str(path), threads)
+    else:
+        model = load_model(str(path), dtype, device, load_threads=threads).model
     return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
 
 
@@ -55,7 +61,7 @@ def test_a_tensor_that_does_not_fit_is_named_with_threads(qwen3_dir, tmp_path):
     config["intermediate_size"] += 8
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight' has shape \(\d+, \d+\), the model expects"):
-        load_model(str(tmp_path), torch.float32, CPU, load_threads=THREADS)
+        loaded_state(tmp_path, torch.float32, CPU, THREADS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
