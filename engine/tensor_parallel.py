@@ -75,12 +75,16 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     device = ranks.device if ranks else config.torch_device
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="kernel-imports") as pool:
-            kernels = pool.submit(timed, "kernel imports", load_backend, "cuda") if device.type == "cuda" else None
+            kernel_imports = None
+            if device.type == "cuda":
+                kernel_imports = pool.submit(timed, "kernel imports", load_backend, "cuda")
+                with phase("CUDA context"):  # made by the first CUDA call: its own line, apart from the weights'
+                    torch.cuda.synchronize(device)
             with phase("weights", lambda: weights_size(loaded.model)):
                 loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
                                     config.fp8_gemm, config.load_threads)
-            if kernels:
-                kernels.result()
+            if kernel_imports:
+                kernel_imports.result()
         if ranks:
             ranks.wait_loaded()
     except BaseException:
