@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load(name, model.path, config)
     if loaded is None:
         return 1
-    worker, tokenizer = loaded
+    worker, tokenizer, tokenizers = loaded
     try:
         from engine.gc_freeze import freeze_startup_objects
         from handler.service import Service  # imported by load(), on its thread
-        with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
-            service = Service(worker, tokenizer, name, settings)
+        with startup_log.phase("chat service (grammar compiler, encoding threads)"):
+            service = Service(worker, tokenizer, name, settings, tokenizers=tokenizers)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
         freeze_startup_objects()
@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(name: str, path: str, config):
-    """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
-    reason logged) when loading fails. The tokenizer and the chat service's imports load on a thread meanwhile."""
+    """(engine Worker, tokenizer, the tokenizer's copies for encoding: handler/service.py's EncodingTokenizers), with
+    a line every LOADING_LOG_INTERVAL_S while the weights load; None (the reason logged) when loading fails. The
+    tokenizer, the chat service's imports and the copies load on a thread meanwhile."""
     from engine import startup_log
     from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
@@ -118,10 +119,12 @@ def load(name: str, path: str, config):
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="loading-beside") as pool:  # see the docstring
             tokenizer = pool.submit(startup_log.timed, "tokenizer", load_tokenizer, path, config.cache_dir)
-            pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
-                        "handler.service")
+            service_module = pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
+                                         "handler.service")
+            tokenizers = pool.submit(startup_log.timed, "tokenizer copies",  # the pool's one thread: after both
+                                     lambda: service_module.result().EncodingTokenizers.of(tokenizer.result()))
             worker = make_worker(config, on_fatal=exit_soon)
-        tokenizer = tokenizer.result()
+        tokenizer, tokenizers = tokenizer.result(), tokenizers.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         if worker:
             worker.shutdown()
@@ -136,7 +139,7 @@ def load(name: str, path: str, config):
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
              f"{worker.weight_bytes / 2**30:.2f} GiB{' each' if engines else ''}, max_model_len "
              f"{worker.max_model_len}{kv_cache}{engines}")
-    return worker, tokenizer
+    return worker, tokenizer, tokenizers
 
 
 def log_loading(name: str, started: float, done: threading.Event) -> None:

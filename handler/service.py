@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,9 +51,28 @@ class EngineUnavailable(ReplyError):
         super().__init__(message, 503, code="engine_unavailable")
 
 
+@dataclasses.dataclass
+class EncodingTokenizers:
+    """The tokenizer's copies that encoding uses, apart from the one the event loop decodes with (tokenizers refuses
+    to use one tokenizer from two threads while one reconfigures it, as truncation does): one that the grammars
+    and the chat model read, and one for each encoding thread. Copying takes a while: the handler makes them on a
+    thread while the weights load."""
+    shared: object
+    per_thread: queue.SimpleQueue  # taken by the encoding threads as they start
+
+    @classmethod
+    def of(cls, tokenizer) -> "EncodingTokenizers":
+        per_thread = queue.SimpleQueue()
+        for _ in range(ENCODER_THREADS):
+            per_thread.put(copy.deepcopy(tokenizer))
+        return cls(copy.deepcopy(tokenizer), per_thread)
+
+
 class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
-                 engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
+                 engine_log_interval: float = ENGINE_LOG_INTERVAL_S, tokenizers: EncodingTokenizers | None = None):
+        """tokenizers: the tokenizer's copies for encoding (EncodingTokenizers.of(tokenizer)), made here if not
+        given."""
         settings = settings or HandlerSettings()
         self.auto_truncate = settings.auto_truncate
         self.worker = worker
@@ -60,9 +80,8 @@ class Service:
         self.model_name = model_name
         tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
-        # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
-        # This one is only copied from, by each encoding thread as it starts.
-        encoding_tokenizer = copy.deepcopy(tokenizer)
+        self._tokenizers = tokenizers or EncodingTokenizers.of(tokenizer)
+        encoding_tokenizer = self._tokenizers.shared
         self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos,
                                              settings.limits.max_grammar_bytes) if worker.kind == "decoder" else None)
         if grammars is not None and grammars.can_constrain:
@@ -84,15 +103,16 @@ class Service:
         self._engine_report: asyncio.Task | None = None
 
     def _start_every_encoder_thread(self) -> None:
-        """Starts the pool's threads now rather than at the first burst of requests: each copies the tokenizer as
-        it starts, holding the GIL long enough to stall the engine thread and every request in flight."""
+        """Starts the pool's threads now rather than at the first burst of requests: each takes its tokenizer copy
+        and its ChatModel as it starts (copying the tokenizer then held the GIL long enough to stall the engine
+        thread and every request in flight)."""
         all_started = threading.Barrier(ENCODER_THREADS)  # while one thread waits, the next job needs a new one
         for started in [self.encoder.submit(all_started.wait, ENCODER_START_TIMEOUT_S) for _ in range(ENCODER_THREADS)]:
             started.result()
 
     def _start_encoder_thread(self) -> None:
         self._encoder_state.chat_model = dataclasses.replace(self.chat_model,
-                                                             tokenizer=copy.deepcopy(self.chat_model.tokenizer))
+                                                             tokenizer=self._tokenizers.per_thread.get_nowait())
 
     async def encode(self, job):
         """job(chat_model) on an encoding thread, with that thread's own ChatModel (its own tokenizer)."""
