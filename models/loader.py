@@ -33,7 +33,7 @@ from models.kv_scales import ATTENTION_SCALE
 from models.moe import moe_checkpoint_target
 from models.parallel_layers import default_weight_loader, shape_of
 
-UPLOAD_CHUNK_BYTES = 8 << 20  # each loading thread holds two pinned chunks of this size
+UPLOAD_CHUNK_BYTES = 16 << 20  # each loading thread holds two pinned chunks of this size
 
 
 class NameMap:

@@ -38,3 +38,13 @@ def read_generation_config(model_dir: str) -> dict:
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def eos_token_ids(hf_config, model_dir: str) -> tuple[int, ...]:
+    """End-of-sequence ids from the model's (text) config and its generation_config.json (each an int or a list)."""
+    found = []
+    generation_config = read_generation_config(model_dir)
+    for source in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
+        if source is not None:
+            found.extend(source if isinstance(source, (list, tuple)) else [source])
+    return tuple(dict.fromkeys(int(token) for token in found))
