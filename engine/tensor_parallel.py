@@ -12,10 +12,12 @@ A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 
 stuck inside a collective, when a watchdog thread sees that its parent has died. Rank 0 watches the ranks
 in turn: one that exits early leaves every later collective waiting for it, so the engine is told.
 """
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
@@ -37,6 +39,7 @@ from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
 # NVLink multicast (NVLS) stays off, in NCCL and in anything built on symmetric memory.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHUTDOWN_GRACE_S = 10.0
+LOADING_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the weights load (quick_gil_handoffs)
 PARENT_POLL_S = 0.2
 
 
@@ -74,7 +77,7 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     device = ranks.device if ranks else config.torch_device
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="kernel-imports") as pool:
+        with quick_gil_handoffs(), ThreadPoolExecutor(1, thread_name_prefix="kernel-imports") as pool:
             kernel_imports = None
             if device.type == "cuda":
                 kernel_imports = pool.submit(timed, "kernel imports", load_backend, "cuda")
@@ -92,6 +95,19 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
             ranks.shutdown()
         raise
     return loaded, ranks
+
+
+@contextlib.contextmanager
+def quick_gil_handoffs():
+    """A short interpreter switch interval while the weights load: other start-up threads (the tokenizer, the kernel
+    imports, the handler's chat service parts) run Python for seconds meanwhile, and while one does, a loading
+    thread that released the GIL for a copy waits a whole switch interval to get it back, after every copy."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, LOADING_SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def weights_size(model) -> str:
