@@ -3,6 +3,8 @@
     PYTHONPATH=. python3 bench/startup.py                                   # Qwen3-0.6B and -8B shapes, both entries
     PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm
     PYTHONPATH=. python3 bench/startup.py --front-cmd "python3 -m daemon_protocol.mock_daemon"
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-8b --entries engine --env HFENDPOINT_LOAD_THREADS=1
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm --importtime
 
 For each model shape (random weights on local disk, bench/random_model.py, served with bench/serve.py's word-level
 tokenizer) and each entry, every case runs in a fresh process:
@@ -17,7 +19,11 @@ tokenizer) and each entry, every case runs in a fresh process:
 
 Cache `empty` points TRITON_CACHE_DIR at a new folder; `warm` then reuses the folder the empty case of the same
 model and entry filled. Every time is in seconds from the moment the process was started.
-Each case also shows the engine's start-up lines (engine/startup_log.py): where its seconds went.
+Each case also shows the engine's start-up lines (engine/startup_log.py): where its seconds went. --env adds
+variables to every case's environment (HFENDPOINT_LOAD_THREADS=1: the weights one tensor at a time).
+--importtime runs the engine entry under `python -X importtime` (which slows imports a little) and lists, for the
+imports before "imports done" and for those after it, the packages whose modules took longest (their own time,
+nested imports excluded) and the slowest modules.
 """
 import argparse
 import asyncio
@@ -47,6 +53,7 @@ STARTUP_LOGGER = "engine.startup: "
 
 ENGINE_SCRIPT = """
 import logging, os, pathlib, sys
+sys.stdout = sys.stderr  # the marks in order with the log and -X importtime lines
 print("started", flush=True)
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
 logging.getLogger("engine").setLevel(logging.INFO)
@@ -134,12 +141,39 @@ def default_front() -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def run_engine(case: Case, model_dir: Path, env: dict[str, str]) -> Process:
-    process = Process([sys.executable, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS))], env)
+def run_engine(case: Case, model_dir: Path, env: dict[str, str], importtime: bool = False) -> Process:
+    python = [sys.executable, "-X", "importtime"] if importtime else [sys.executable]
+    process = Process([*python, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS))], env)
     for mark in ("imports done", "engine ready", "first token"):
         case.marks[mark] = process.wait_for(f"^{mark}$")[0]
     case.kernels_at_ready = int(process.wait_for(r"^kernels at ready (\d+)$")[1].group(1))
     return process
+
+
+IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)$")
+TOP_IMPORTS = 12
+
+
+def import_report(lines: list[tuple[float, str]], imports_done: float) -> str:
+    """The `-X importtime` lines of a process, before and after its "imports done" mark: the packages whose
+    modules took longest (microseconds of each module's own work, summed per top-level package) and the slowest
+    modules."""
+    parts = {"before imports done": [], "after": []}
+    for at, line in lines:
+        if found := IMPORT_LINE.match(line):
+            parts["before imports done" if at <= imports_done else "after"].append(
+                (int(found.group(1)) / 1e6, found.group(2)))
+    report = []
+    for part, modules in parts.items():
+        packages: dict[str, float] = {}
+        for seconds, module in modules:
+            packages[module.split(".")[0]] = packages.get(module.split(".")[0], 0.0) + seconds
+        slowest = sorted(packages.items(), key=lambda item: -item[1])[:TOP_IMPORTS]
+        report.append(f"imports {part}: {sum(packages.values()):.2f} s in {len(modules)} modules; by package: "
+                      + ", ".join(f"{name} {seconds:.2f}" for name, seconds in slowest))
+        report.append("  slowest modules: " + ", ".join(
+            f"{module} {seconds:.3f}" for seconds, module in sorted(modules, reverse=True)[:TOP_IMPORTS]))
+    return "\n".join(report)
 
 
 def run_front(case: Case, model_dir: Path, env: dict[str, str], front: list[str]) -> Process:
@@ -173,17 +207,18 @@ async def first_token_through(case: Case, process: Process, url: str) -> None:
         case.marks["first token"] = result.chunk_times[0] - process.started
 
 
-def case_env(cache_dir: Path) -> dict[str, str]:
-    return {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
+def case_env(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, **(extra or {}), "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str]) -> None:
-    env = case_env(cache_dir)
+def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str], extra_env: dict[str, str],
+             importtime: bool) -> None:
+    env = case_env(cache_dir, extra_env)
     print(f"--- {case.label}", flush=True)
     process = None
     try:
-        process = (run_engine(case, model_dir, env) if case.entry == "engine"
+        process = (run_engine(case, model_dir, env, importtime) if case.entry == "engine"
                    else run_front(case, model_dir, env, front))
     finally:
         if process:
@@ -193,6 +228,8 @@ def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str]) -> 
     for line in case.lines:
         print(f"    {line}")
     print("    " + ", ".join(f"{mark} {seconds:.2f}" for mark, seconds in case.marks.items()), flush=True)
+    if importtime and case.entry == "engine":
+        print("    " + import_report(process.lines, case.marks["imports done"]).replace("\n", "\n    "), flush=True)
 
 
 def random_model(name: str) -> Path:
@@ -229,11 +266,17 @@ def main() -> None:
                                         "it exists, else python -m daemon_protocol.mock_daemon)")
     ap.add_argument("--cache-root", default=None, help="where the Triton cache folders go (default: a new temp dir)")
     ap.add_argument("--json", help="write every case's marks and start-up lines here")
+    ap.add_argument("--env", nargs="+", default=[], metavar="NAME=VALUE", help="variables for every case")
+    ap.add_argument("--importtime", action="store_true",
+                    help="the engine entry under python -X importtime, with where its imports' seconds went")
     args = ap.parse_args()
+    if bad := [item for item in args.env if "=" not in item]:
+        ap.error(f"--env takes NAME=VALUE, not {bad[0]!r}")
+    extra_env = dict(item.split("=", 1) for item in args.env)
     front = shlex.split(args.front_cmd) if args.front_cmd else default_front()
     cache_root = Path(args.cache_root or tempfile.mkdtemp(prefix="startup-triton-"))
     cases = []
-    print(versions(), flush=True)
+    print(versions() + "".join(f", {name}={value}" for name, value in extra_env.items()), flush=True)
     with tempfile.TemporaryDirectory() as served_root:
         for model in args.models:
             model_dir = served_model_dir(random_model(model), Path(served_root))
@@ -242,7 +285,7 @@ def main() -> None:
                 cache_dir.mkdir(parents=True)
                 for cache in CACHES[:1 + args.warm]:  # empty first: warm reuses what it filled
                     cases.append(Case(model, entry, cache))
-                    run_case(cases[-1], model_dir, cache_dir, front)
+                    run_case(cases[-1], model_dir, cache_dir, front, extra_env, args.importtime)
     print(table(cases))
     if args.json:
         Path(args.json).write_text(json.dumps([case.__dict__ for case in cases], indent=1))

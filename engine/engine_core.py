@@ -16,7 +16,7 @@ from engine.sequence import Sequence
 from engine.speculation import NO_SPECULATION, Speculator
 from engine.tensor_parallel import TensorParallelRanks
 from models.llama import layer_windows
-from models.model_files import read_generation_config
+from models.model_files import eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EngineCore:
             raise
         self.embedder = Embedder.for_decoder(config, loaded, self.runner.forward_packed, self.runner.max_model_len)
         self.max_model_len = self.runner.max_model_len
-        self.eos_token_ids = eos_token_ids(loaded)
+        self.eos_token_ids = eos_token_ids(loaded.hf_config, loaded.model_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.runner.model.kv_window)
         self.scheduler = Scheduler(config, self.block_manager)
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -229,16 +229,6 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
     low, high = min(prompt_token_ids), max(prompt_token_ids)
     if low < 0 or high >= vocab_size:
         raise PromptRejected(f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
-
-
-def eos_token_ids(loaded) -> tuple[int, ...]:
-    """End-of-sequence ids from the model's config and its generation_config.json (each an int or a list)."""
-    found = []
-    generation_config = read_generation_config(loaded.model_dir)
-    for source in (getattr(loaded.hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
-        if source is not None:
-            found.extend(source if isinstance(source, (list, tuple)) else [source])
-    return tuple(dict.fromkeys(int(token) for token in found))
 
 
 def decoding_only(seqs: list[Sequence], num_tokens: list[int]) -> bool:

@@ -12,14 +12,17 @@ A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 
 stuck inside a collective, when a watchdog thread sees that its parent has died. Rank 0 watches the ranks
 in turn: one that exits early leaves every later collective waiting for it, so the engine is told.
 """
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -28,14 +31,15 @@ from transformers import AutoConfig
 from engine.config import EngineConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
-from engine.startup_log import phase
-from kernels import gpu_features
+from engine.startup_log import phase, timed
+from kernels import gpu_features, load_backend
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
 
 # NVLink multicast (NVLS) stays off, in NCCL and in anything built on symmetric memory.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHUTDOWN_GRACE_S = 10.0
+LOADING_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the weights load (quick_gil_handoffs)
 PARENT_POLL_S = 0.2
 
 
@@ -66,14 +70,24 @@ def check_ranks(config: EngineConfig, size: int) -> None:
 
 def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParallelRanks | None"]:
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
-    theirs. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
+    theirs, and on a GPU while a thread imports the kernels (Triton's compiler among them) that the first forward
+    would import otherwise. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
     check_config(config)
     gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+    device = ranks.device if ranks else config.torch_device
     try:
-        with phase("weights", lambda: weights_size(loaded.model)):
-            loaded = load_model(config.model, config.torch_dtype, ranks.device if ranks else config.torch_device,
-                                config.cache_dir, config.max_model_len, config.fp8_gemm)
+        with quick_gil_handoffs(), ThreadPoolExecutor(1, thread_name_prefix="kernel-imports") as pool:
+            kernel_imports = None
+            if device.type == "cuda":
+                kernel_imports = pool.submit(timed, "kernel imports", load_backend, "cuda")
+                with phase("CUDA context"):  # made by the first CUDA call: its own line, apart from the weights'
+                    torch.cuda.synchronize(device)
+            with phase("weights", lambda: weights_size(loaded.model)):
+                loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
+                                    config.fp8_gemm, config.load_threads)
+            if kernel_imports:
+                kernel_imports.result()
         if ranks:
             ranks.wait_loaded()
     except BaseException:
@@ -81,6 +95,19 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
             ranks.shutdown()
         raise
     return loaded, ranks
+
+
+@contextlib.contextmanager
+def quick_gil_handoffs():
+    """A short interpreter switch interval while the weights load: other start-up threads (the tokenizer, the kernel
+    imports, the handler's chat service parts) run Python for seconds meanwhile, and while one does, a loading
+    thread that released the GIL for a copy waits a whole switch interval to get it back, after every copy."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, LOADING_SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def weights_size(model) -> str:
@@ -218,7 +245,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     gpu_features.configure(config.disabled_gpu_features)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                            config.fp8_gemm)
+                            config.fp8_gemm, config.load_threads)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(f"{type(exc).__name__}: {exc}")
         return

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import daemon_protocol
 from daemon_protocol.transports import TransportError, parse_transport, transport_from_env
@@ -85,15 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     startup_log.note("imports done")
     name = settings.model_name or model.name
-    loaded = load(name, model.path, config)
+    loaded = load(name, model.path, config, settings)
     if loaded is None:
         return 1
-    worker, tokenizer = loaded
+    worker, tokenizer, parts = loaded
     try:
         from engine.gc_freeze import freeze_startup_objects
         from handler.service import Service  # imported by load(), on its thread
-        with startup_log.phase("chat service (grammar compiler, tokenizer copies)"):
-            service = Service(worker, tokenizer, name, settings)
+        with startup_log.phase("chat service (grammar compilers, encoding threads)"):
+            service = Service(worker, tokenizer, name, settings, parts=parts)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
         freeze_startup_objects()
@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.shutdown()
 
 
-def load(name: str, path: str, config):
-    """(engine Worker, tokenizer), with a line every LOADING_LOG_INTERVAL_S while the weights load; None (the
-    reason logged) when loading fails. The tokenizer and the chat service's imports load on a thread meanwhile."""
+def load(name: str, path: str, config, settings):
+    """(engine Worker, tokenizer, what the chat service's encoding needs: handler/service.py's EncodingParts), with
+    a line every LOADING_LOG_INTERVAL_S while the weights load; None (the reason logged) when loading fails. The
+    tokenizer, the chat service's imports and those parts load on a thread meanwhile."""
     from engine import startup_log
     from engine.data_parallel import make_worker
     from handler.tokenizer import load_tokenizer
@@ -118,10 +119,12 @@ def load(name: str, path: str, config):
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="loading-beside") as pool:  # see the docstring
             tokenizer = pool.submit(startup_log.timed, "tokenizer", load_tokenizer, path, config.cache_dir)
-            pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
-                        "handler.service")
+            service = pool.submit(startup_log.timed, "chat service imports (xgrammar)", importlib.import_module,
+                                  "handler.service")
+            parts = pool.submit(startup_log.timed, "tokenizer copies and grammars", encoding_parts, service,
+                                tokenizer, path, config.cache_dir, settings.limits.max_grammar_bytes)
             worker = make_worker(config, on_fatal=exit_soon)
-        tokenizer = tokenizer.result()
+        tokenizer, parts = tokenizer.result(), parts.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         if worker:
             worker.shutdown()
@@ -136,7 +139,29 @@ def load(name: str, path: str, config):
     log.info(f"ready in {time.perf_counter() - started:.1f}s: {worker.kind} model, weights "
              f"{worker.weight_bytes / 2**30:.2f} GiB{' each' if engines else ''}, max_model_len "
              f"{worker.max_model_len}{kv_cache}{engines}")
-    return worker, tokenizer
+    return worker, tokenizer, parts
+
+
+def encoding_parts(service: Future, tokenizer: Future, path: str, cache_dir: str, max_grammar_bytes: int):
+    """The chat service's EncodingParts (the tokenizer's copies, a decoder's grammars), from the service module and
+    the tokenizer that the same one-thread pool loaded before."""
+    return service.result().EncodingParts.of(tokenizer.result(), decoder_vocabulary(path, cache_dir),
+                                             max_grammar_bytes)
+
+
+def decoder_vocabulary(path: str, cache_dir: str) -> tuple[int, tuple[int, ...]] | None:
+    """(vocabulary size, end-of-sequence ids) as a decoder's files give them (its config's text part and its
+    generation_config.json), for grammars made before the engine is up; None for an encoder."""
+    from transformers import AutoConfig
+
+    from models.model_files import eos_token_ids, model_dir_of
+    from models.registry import ENCODERS, architecture_of
+    model_dir = model_dir_of(path, cache_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if architecture_of(hf_config) in ENCODERS:
+        return None
+    text_config = hf_config.get_text_config()
+    return text_config.vocab_size, eos_token_ids(text_config, model_dir)
 
 
 def log_loading(name: str, started: float, done: threading.Event) -> None:

@@ -32,6 +32,7 @@ class Grammars:
         without any (a bare tokenizer) still gets the token bytes that logprobs report, but no grammars.
         max_grammar_bytes: the largest compiled grammar a request may have (HFENDPOINT_MAX_GRAMMAR_BYTES)."""
         self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
         self.max_grammar_bytes = max_grammar_bytes
         self.can_constrain = bool(stop_token_ids)
         with warnings.catch_warnings():  # without stop tokens xgrammar warns that it found none
@@ -42,6 +43,11 @@ class Grammars:
         self._pool: GrammarCompilerPool | None = None
         self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
+
+    def made_for(self, vocab_size: int, stop_token_ids: tuple[int, ...], max_grammar_bytes: int) -> bool:
+        """Whether these are the grammars of that vocabulary size, stop tokens and grammar size limit."""
+        return (self.vocab_size, self.stop_token_ids, self.max_grammar_bytes) == (vocab_size, tuple(stop_token_ids),
+                                                                                  max_grammar_bytes)
 
     async def compile_json_schema(self, schema: str, field: str, timeout: float) -> xgrammar.CompiledGrammar:
         """The grammar of a JSON schema (as JSON text); a schema xgrammar cannot compile, that no value satisfies,

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +29,7 @@ from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
 from handler.images import ImageFetcher, VisionPrompt
+from handler.limits import RequestLimits
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.memory import resident_bytes
 from handler.scoring import pair_token_ids, parse_score_request, scores
@@ -50,21 +52,57 @@ class EngineUnavailable(ReplyError):
         super().__init__(message, 503, code="engine_unavailable")
 
 
+def stop_tokens(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+    """The tokens that end a reply: the model's end-of-sequence ids, then the tokenizer's."""
+    tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys([*model_eos, *tokenizer_eos]))
+
+
+@dataclasses.dataclass
+class EncodingParts:
+    """What the service makes from the tokenizer that takes a while, which the handler makes on a thread while the
+    weights load. The tokenizer's copies (tokenizers refuses to use one tokenizer from two threads while one
+    reconfigures it, as truncation does): one that the grammars and the chat model read, and one for each
+    encoding thread. And the grammars, for the vocabulary size and end-of-sequence ids that the model's files
+    give: the service makes its own when the engine's differ."""
+    shared: object
+    per_thread: queue.SimpleQueue  # taken by the encoding threads as they start
+    grammars: Grammars | None = None
+
+    @classmethod
+    def of(cls, tokenizer, vocabulary: tuple[int, tuple[int, ...]] | None = None,
+           max_grammar_bytes: int = RequestLimits.max_grammar_bytes) -> "EncodingParts":
+        """vocabulary: (vocabulary size, end-of-sequence ids) of a decoder, for its grammars; None: none made."""
+        per_thread = queue.SimpleQueue()
+        for _ in range(ENCODER_THREADS):
+            per_thread.put(copy.deepcopy(tokenizer))
+        shared = copy.deepcopy(tokenizer)
+        grammars = None
+        if vocabulary is not None:
+            vocab_size, model_eos = vocabulary
+            grammars = Grammars(shared, vocab_size, stop_tokens(model_eos, tokenizer), max_grammar_bytes)
+        return cls(shared, per_thread, grammars)
+
+
 class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
-                 engine_log_interval: float = ENGINE_LOG_INTERVAL_S):
+                 engine_log_interval: float = ENGINE_LOG_INTERVAL_S, parts: EncodingParts | None = None):
+        """parts: what encoding needs, made beforehand (EncodingParts.of(tokenizer, ...)); made here if not
+        given, and its grammars too when they were not made for this engine's vocabulary."""
         settings = settings or HandlerSettings()
         self.auto_truncate = settings.auto_truncate
         self.worker = worker
         self.tokenizer = tokenizer  # decoding, on the event loop
         self.model_name = model_name
-        tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        eos = tuple(dict.fromkeys([*worker.eos_token_ids, *tokenizer_eos]))
-        # Copies: tokenizers refuses to use one tokenizer from two threads while one reconfigures it (truncation).
-        # This one is only copied from, by each encoding thread as it starts.
-        encoding_tokenizer = copy.deepcopy(tokenizer)
-        self.grammars = grammars = (Grammars(encoding_tokenizer, worker.vocab_size, eos,
-                                             settings.limits.max_grammar_bytes) if worker.kind == "decoder" else None)
+        eos = stop_tokens(worker.eos_token_ids, tokenizer)
+        self._parts = parts or EncodingParts.of(tokenizer)
+        encoding_tokenizer = self._parts.shared
+        grammars = None
+        if worker.kind == "decoder":
+            grammars = self._parts.grammars
+            if grammars is None or not grammars.made_for(worker.vocab_size, eos, settings.limits.max_grammar_bytes):
+                grammars = Grammars(encoding_tokenizer, worker.vocab_size, eos, settings.limits.max_grammar_bytes)
+        self.grammars = grammars
         if grammars is not None and grammars.can_constrain:
             grammars.start_compilers()
         vision = VisionPrompt.load(worker.model_dir, settings.image_max_pixels) if worker.reads_images else None
@@ -85,15 +123,16 @@ class Service:
         self._engine_report: asyncio.Task | None = None
 
     def _start_every_encoder_thread(self) -> None:
-        """Starts the pool's threads now rather than at the first burst of requests: each copies the tokenizer as
-        it starts, holding the GIL long enough to stall the engine thread and every request in flight."""
+        """Starts the pool's threads now rather than at the first burst of requests: each takes its tokenizer copy
+        and its ChatModel as it starts (copying the tokenizer then held the GIL long enough to stall the engine
+        thread and every request in flight)."""
         all_started = threading.Barrier(ENCODER_THREADS)  # while one thread waits, the next job needs a new one
         for started in [self.encoder.submit(all_started.wait, ENCODER_START_TIMEOUT_S) for _ in range(ENCODER_THREADS)]:
             started.result()
 
     def _start_encoder_thread(self) -> None:
         self._encoder_state.chat_model = dataclasses.replace(self.chat_model,
-                                                             tokenizer=copy.deepcopy(self.chat_model.tokenizer))
+                                                             tokenizer=self._parts.per_thread.get_nowait())
 
     async def encode(self, job):
         """job(chat_model) on an encoding thread, with that thread's own ChatModel (its own tokenizer)."""

@@ -1,11 +1,14 @@
 """The model's tokenizer (from a model directory or a .gguf file) and the token ids embeddings are made of."""
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from models import model_files
 
+if TYPE_CHECKING:  # the tokenizer's modules load with it, on start-up's tokenizer thread
+    from transformers import PreTrainedTokenizerBase
 
-def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
+
+def load_tokenizer(model_path: str, cache_dir: str | None = None) -> "PreTrainedTokenizerBase":
     """The model's fast tokenizer (a .gguf file's converted under cache_dir, see models/model_files.py)."""
     tokenizer = model_files.load_tokenizer(model_path, cache_dir)
     if tokenizer is None or not tokenizer.is_fast:
@@ -13,7 +16,8 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     return tokenizer
 
 
-def embedding_token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], keep_last: int | None) -> list[list[int]]:
+def embedding_token_ids(tokenizer: "PreTrainedTokenizerBase", texts: list[str],
+                        keep_last: int | None) -> list[list[int]]:
     """The one place that decides which special tokens an embedding input carries.
 
     The tokenizer's own post-processor knows the model: encoders get [CLS] ... [SEP], decoder embedding

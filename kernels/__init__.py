@@ -43,7 +43,7 @@ BACKEND_FUNCTIONS = (  # each device type's backend has one of each (kernels/ref
     "routed_experts",
 )
 __all__ = ["AttentionMetadata", "FP8_KV_CACHE_DTYPE", "GREEDY_TEMPERATURE", *BACKEND_FUNCTIONS, "check_kv_scales",
-           "qkv_paged_attention", "dequantize_fp8", "Mxfp4Weight"]
+           "qkv_paged_attention", "dequantize_fp8", "Mxfp4Weight", "load_backend"]
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in blocks of a multiple of 256 tokens
 FP8_KV_CACHE_DTYPE = torch.float8_e4m3fn
@@ -92,6 +92,13 @@ def _backend(device_type: str) -> SimpleNamespace:
     except ImportError:
         return backend
     return _with_flash_attn(backend, flash_attn)
+
+
+def load_backend(device_type: str) -> None:
+    """Imports a device type's kernels now rather than at its first launch: on CUDA, Triton and our Triton
+    modules (seconds), which start-up imports on a thread of its own while the weights load. A launch on another
+    thread meanwhile imports them too, waiting on Python's import locks for the modules this one is importing."""
+    _backend(device_type)
 
 
 def _backend_of(tensor: Tensor) -> SimpleNamespace:
