@@ -41,7 +41,7 @@ class EngineConfig:
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
     speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix [:k=N] | eagle3:PATH [,k=N]
     data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
-    load_threads: int = 8               # HFENDPOINT_LOAD_THREADS: checkpoint tensors loaded at once
+    load_threads: int = 1               # HFENDPOINT_LOAD_THREADS: checkpoint tensors loaded at once
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
