@@ -22,9 +22,9 @@ So speculation backs off by itself, per step:
   draft gain per drafting step beats one token per plain step by a margin. Each kind is timed over its runs
   of consecutive steps, switches included (StepTimer). Timing the two kinds of step apart, rather than
   tokens per second of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from
-  condemning drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not pay the
-  step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as often
-  after one that gained none.
+  condemning drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not
+  pay the step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as
+  often after one that gained none.
 """
 import math
 import operator
@@ -250,7 +250,9 @@ def draft_length(seq: Sequence, most: int) -> int:
     at least, `most` at most). A row costs a step little (the rows share its weight reads; a batch that is
     short of rows drafts less, Speculator.propose), so a request that copies drafts long."""
     rate = seq.acceptance
-    if rate <= 0 or rate >= 1:
-        return most if rate >= 1 else 1
+    if rate >= 1:
+        return most
+    if rate <= 0:
+        return 1
     return max(1, min(most, int(math.log(MIN_TOKEN_CHANCE) / math.log(rate))))
 

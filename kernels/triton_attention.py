@@ -95,8 +95,8 @@ def decode_tiles(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> DecodeTi
 
 
 def fitted_decode_tiles(tiles: DecodeTiles, head_dim: int, element_size: int, shared_memory: int) -> DecodeTiles:
-    """tiles with as many keys per tile (halved down to 16) as a program's shared memory holds: a tile of keys and
-    one of values, and two rows blocks of queries; only a T4 at Gemma 3's heads of 256 needs fewer than 64."""
+    """tiles with as many keys per tile (halved down to 16) as a program's shared memory holds: head_dim x (a
+    tile of keys, one of values and 32 rows of queries); only a T4 at Gemma 3's heads of 256 needs fewer."""
     block_n = tiles.block_n
     while block_n > 16 and (32 + 2 * block_n) * head_dim * element_size > shared_memory:
         block_n //= 2

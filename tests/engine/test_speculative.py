@@ -9,6 +9,7 @@ with one token in two drafts corrupted: many tokens accepted, many rejected. Tak
 token as computed breaks the KV cache and leaks blocks. The rejection rule's output distribution is the
 model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -417,7 +418,7 @@ def test_a_speculative_engine_stores_a_decode_steps_keys_before_its_attention(ti
     attention = llama.qkv_paged_attention
 
     def recording(*args, **kwargs):
-        meta = args[10]
+        meta = inspect.signature(attention).bind(*args, **kwargs).arguments["meta"]
         if meta.is_decode:
             seen.append(meta.rows_read_each_other)
         return attention(*args, **kwargs)

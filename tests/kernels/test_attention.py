@@ -229,13 +229,30 @@ def test_tiles_shrink_only_where_shared_memory_is_short():
     assert fitted_decode_tiles(DECODE_TILES, 256, 2, L4_SHARED_MEMORY) is DECODE_TILES
 
 
-@pytest.mark.parametrize("num_splits", [None, 3])
-def test_heads_of_256_in_a_t4s_shared_memory(monkeypatch, num_splits):
-    """Gemma 3's heads of 256 in the smaller tiles a T4's shared memory holds: the same attention."""
+class LaunchRecorder:
+    """A kernel whose launches record their constexprs, then run it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("kernel, num_splits", [("_prefill_kernel", None), ("_decode_kernel", 3)])
+def test_heads_of_256_in_a_t4s_shared_memory(monkeypatch, kernel, num_splits):
+    """Gemma 3's heads of 256 in the smaller tiles a T4's shared memory holds (launched with 16 keys a tile, in
+    float32): the same attention."""
     monkeypatch.setattr(triton_attention, "memory_sizes", lambda device: (T4_SHARED_MEMORY, 4 << 20))
+    recorder = LaunchRecorder(getattr(triton_attention, kernel))
+    monkeypatch.setattr(triton_attention, kernel, recorder)
     q_lens = WINDOW_Q_LENS if num_splits is None else [1] * len(WINDOW_CONTEXTS)
     check_paged(q_lens, WINDOW_SEQ_LENS if num_splits is None else WINDOW_CONTEXTS, 4, 2, 256, 16, 20, False,
                 num_splits=num_splits)
+    assert recorder.launches and all(launch["BLOCK_N"] == 16 for launch in recorder.launches)
 
 
 WINDOW_Q_LENS = [1, 40, 1, 5, 33, 70]  # a decode, a fresh prompt, a decode, chunks after cached prefixes
