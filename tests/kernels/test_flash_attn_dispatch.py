@@ -46,7 +46,8 @@ def test_flash_attn_takes_only_the_decode_steps_it_can_read(monkeypatch, block_s
     scales = {}
     if dtype == kernels.FP8_KV_CACHE_DTYPE:
         k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-        scales = {"k_scale": torch.ones(NUM_KV_HEADS), "v_scale": torch.ones(NUM_KV_HEADS)}
+        ones = torch.ones(NUM_KV_HEADS, device=k_cache.device)
+        scales = {"k_scale": ones, "v_scale": ones}
     qkv = torch.randn(2, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
     kernels.qkv_paged_attention(qkv, meta.seq_lens.long() - 1, cos_sin_cache(16, HEAD_DIM), NUM_Q_HEADS,
                                 NUM_KV_HEADS, None, None, 1e-6, k_cache, v_cache, meta, HEAD_DIM**-0.5, **scales)
