@@ -30,6 +30,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import check_prompt
+from engine.images import check_step_budget, image_runs
 from engine.router import PrefixRouter
 from engine.tensor_parallel import SHUTDOWN_GRACE_S, exit_when_orphaned, keep_off_protocol_streams
 from engine.worker import RequestOutput, Worker, _post, _put_all, _set_future
@@ -39,7 +40,7 @@ STATS_INTERVAL_S = 0.5
 ENGINE_LOGGERS = ("engine", "models")  # INFO and up in an engine's process; other libraries' WARNING and up
 # What the handler reads of a Worker besides its methods: each engine reports them once it is ready.
 WORKER_FACTS = ("kind", "model_dir", "hidden_size", "vocab_size", "eos_token_ids", "max_model_len",
-                "max_embedding_tokens", "weight_bytes")
+                "max_embedding_tokens", "weight_bytes", "reads_images", "image_token_id")
 SUMMED_STATS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "num_preemptions", "spec_drafted_tokens",
                 "spec_accepted_tokens")
 
@@ -100,7 +101,6 @@ class DataParallelWorker:
             raise
         for fact in WORKER_FACTS:
             setattr(self, fact, self.engines[0].facts[fact])
-        self.reads_images = False  # a prompt's images do not travel to the engines: image parts are refused
         if self.kind != "decoder":
             self.shutdown()
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: {config.model} is an embedding model, "
@@ -113,10 +113,12 @@ class DataParallelWorker:
 
     def submit(self, request_id, prompt_token_ids: list[int], params, constraint=None,
                queue: asyncio.Queue | None = None, shares_prompt_with=None, images=()) -> asyncio.Queue:
-        """Worker.submit's; images are refused (reads_images is False: the handler never sends any)."""
-        if images:
-            raise ValueError("images are not served with data parallelism (HFENDPOINT_DATA_PARALLEL_SIZE > 1)")
+        """Worker.submit's. The checks a client's prompt can fail are made here, so that they raise as the
+        Worker's do; the images travel with the request and are encoded in its engine."""
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        if images and self.reads_images:
+            runs = image_runs(prompt_token_ids, self.image_token_id)
+            check_step_budget([end - start for start, end in runs], self.config.max_num_batched_tokens)
         queue = asyncio.Queue() if queue is None else queue
         with self._lock:
             if self.unavailable:
@@ -128,7 +130,7 @@ class DataParallelWorker:
             else:
                 engine = self.router.choose(prompt_token_ids)
             self.engines[engine].submit(request_id, prompt_token_ids, params, constraint,
-                                        _Finishing(queue, self._finished), shares_prompt_with)
+                                        _Finishing(queue, self._finished), shares_prompt_with, images)
             self._engine_of[request_id] = engine
             self.router.started(engine, prompt_token_ids)
         return queue
@@ -227,11 +229,11 @@ class EngineProcess:
         threading.Thread(target=self._read, name=f"data-parallel-engine-{self.index}", daemon=True).start()
 
     def submit(self, request_id, prompt_token_ids: list[int], params, constraint, queue: _Finishing,
-               shares_prompt_with=None) -> None:
+               shares_prompt_with=None, images=()) -> None:
         request = _InFlight(queue, asyncio.get_running_loop(), constraint, [] if constraint is not None else None)
         with self._lock:
             self._requests[request_id] = request
-            self._send("submit", (request_id, prompt_token_ids, params, constraint, shares_prompt_with))
+            self._send("submit", (request_id, prompt_token_ids, params, constraint, shares_prompt_with, images))
 
     def abort(self, request_id) -> None:
         with self._lock:
@@ -417,10 +419,11 @@ async def serve(worker: Worker, pipe) -> None:
 
     def handle(kind: str, args: tuple) -> None:
         if kind == "submit":
-            request_id, prompt, params, constraint, shares_prompt_with = args
+            request_id, prompt, params, constraint, shares_prompt_with, images = args
             try:
-                worker.submit(request_id, prompt, params, constraint, outputs, shares_prompt_with, loop=outputs)
-            except (ValueError, RuntimeError) as exc:  # checked by the parent first: only a lost engine
+                worker.submit(request_id, prompt, params, constraint, outputs, shares_prompt_with, images,
+                              loop=outputs)
+            except (ValueError, RuntimeError) as exc:  # the parent checked what a client sends: ours to fix
                 failed = RequestOutput(request_id, [], "error", str(exc), len(prompt), 0, 0)
                 outputs.call_soon_threadsafe(_put_all, [(outputs, failed)])
         elif kind == "abort":

@@ -8,7 +8,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedding import Embedder
 from engine.errors import PromptRejected
-from engine.images import PromptImage, place_images
+from engine.images import PromptImage, check_step_budget, place_images
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.mrope import prompt_rope_positions
 from engine.scheduler import Scheduler
@@ -86,9 +86,7 @@ class EngineCore:
             except ValueError as exc:
                 raise ValueError(f"image {i}: {exc}") from None
         place_images(prompt_token_ids, images, vision.image_token_id, lengths)
-        if images and max(lengths) > self.max_num_batched_tokens:  # a large image at a high max_pixels
-            raise PromptRejected(f"an image is {max(lengths)} tokens, more than the step budget "
-                             f"max_num_batched_tokens={self.max_num_batched_tokens}: raise it to serve images")
+        check_step_budget(lengths, self.max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         """Queues a request made by make_sequence; step() computes it."""

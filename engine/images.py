@@ -50,13 +50,24 @@ class PromptImage:
         return self.offset + self.length
 
 
+def image_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of image_token_id in the prompt, in order."""
+    is_image = np.concatenate(([False], np.asarray(token_ids) == image_token_id, [False]))
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def check_step_budget(lengths: list[int], max_num_batched_tokens: int) -> None:
+    """PromptRejected when an image has more soft tokens than a step computes: an image is computed in one step."""
+    if lengths and max(lengths) > max_num_batched_tokens:  # a large image at a high max_pixels
+        raise PromptRejected(f"an image is {max(lengths)} tokens, more than the step budget "
+                             f"max_num_batched_tokens={max_num_batched_tokens}: raise it to serve images")
+
+
 def place_images(token_ids: list[int], images: list[PromptImage], image_token_id: int, lengths: list[int]) -> None:
     """Sets each image's span from the runs of image_token_id in the prompt; PromptRejected when the runs do not
     match the images one to one, each as long as its soft tokens (lengths)."""
-    ids = np.asarray(token_ids)
-    is_image = np.concatenate(([False], ids == image_token_id, [False]))
-    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
-    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    runs = image_runs(token_ids, image_token_id)
     if len(runs) != len(images):
         raise PromptRejected(f"the prompt has {len(runs)} runs of the image token (id {image_token_id}) but "
                          f"{len(images)} images came with it: each image needs one run")

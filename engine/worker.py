@@ -58,6 +58,7 @@ class Worker:
         self.hidden_size = loaded.hf_config.hidden_size
         self.vocab_size = loaded.hf_config.vocab_size
         self.reads_images = loaded.vision is not None  # submit() takes a prompt's images (engine/images.py)
+        self.image_token_id = loaded.vision.image_token_id if self.reads_images else None
         if self.kind in ("encoder", "classifier"):  # a classifier's "embeddings" are its logits
             self.core = None
             self.embedder = (Embedder.for_classifier if self.kind == "classifier" else Embedder.for_encoder)(config,

@@ -2,6 +2,9 @@
 log-probability of each, equal transformers' generate with one image and with two, whole, in chunks that would
 split an image, and preempted; the image encoder equals transformers'; the prefix cache shares the text before
 an image but nothing from an image on when the image differs."""
+import asyncio
+import dataclasses
+
 import pytest
 import torch
 from vision_models import (
@@ -15,7 +18,8 @@ from vision_models import (
 )
 
 import kernels
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, PromptRejected, SamplingParams
+from engine.data_parallel import DataParallelWorker
 from engine.images import PromptImage, fit_chunk
 from models import load_model
 
@@ -141,3 +145,35 @@ def test_prompts_and_images_must_match(checkpoint, pixels, prompts):
         llm.generate([prompt], GREEDY, images=[engine_images(pixels, [0, 1])])
     with pytest.raises(ValueError, match="pixel values of shape"):
         llm.generate([prompt], GREEDY, images=[[PromptImage.of_pixels(torch.zeros(3, 8, 8))]])
+
+
+def test_data_parallel_engines_read_images(checkpoint, pixels, prompts, expected):
+    """Two engines in processes of their own: the images travel with their requests and give transformers'
+    tokens; an image over the step budget is refused at submit, as one engine refuses it."""
+    worker = DataParallelWorker(EngineConfig(checkpoint[0], device="cpu", dtype="float32", data_parallel_size=2))
+    assert worker.reads_images
+
+    async def main():
+        queues = [worker.submit(i, prompt, GREEDY, images=engine_images(pixels, indices))
+                  for i, (prompt, indices) in enumerate(prompts)]
+        return await asyncio.gather(*(collected(queue) for queue in queues))
+
+    try:
+        for got, want in zip(asyncio.run(main()), expected):
+            assert_same(got, want)
+        prompt, indices = prompts[0]
+        worker.config = dataclasses.replace(worker.config, max_num_batched_tokens=3)
+        with pytest.raises(PromptRejected, match="more than the step budget"):
+            worker.submit("large", prompt, GREEDY, images=engine_images(pixels, indices))
+    finally:
+        worker.shutdown()
+
+
+async def collected(queue) -> tuple[list[int], list[float]]:
+    tokens, logprobs = [], []
+    while True:
+        output = await queue.get()
+        tokens += output.new_token_ids
+        logprobs += [logprob for logprob, *_ in output.logprobs or ()]
+        if output.finish_reason:
+            return tokens, logprobs
