@@ -193,6 +193,10 @@ def warm_lm_head(llm: LLM, k: int) -> None:
     synchronize()
 
 
+def free_device_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -263,10 +267,7 @@ def step_cost(args) -> None:
     drafter = core.speculator.drafter
     core.overlap, core.speculator = False, None  # steps come back in order; drafts are set by hand
     warm_lm_head(llm, most)
-    core.finish_warm_up()  # the CUDA graphs, captured now rather than before a first decode step
-    graphs = core.runner.graphs.captured
-    print(f"warm-up {core.runner.warm_up_s:.2f} s: {len(graphs)} CUDA graphs, "
-          f"{sum(shape.verifies for shape in graphs)} of them verification graphs")
+    capture_graphs(core)
     print(f"\n{'batch':>5} {'k':>6} {'ms/step':>8} {'vs k=0':>7} {'vs served':>9}"
           + (f" {'draft ms':>8} {'both vs k=0':>11}" if args.draft_cost else ""))
     for batch in args.batches:
@@ -296,6 +297,26 @@ def step_cost(args) -> None:
         for seq in seqs:
             seq.draft_token_ids = []
             core.abort(seq)
+
+
+def capture_graphs(core) -> None:
+    """Runs the engine's warm-up now rather than before a first decode step, and prints what the CUDA graphs of
+    each kind took: plain ones (decode and prefill), and verification ones, which only a speculative engine
+    captures (seconds, and the device memory they took off the free memory)."""
+    runner, took = core.runner, {False: [0, 0.0, 0], True: [0, 0.0, 0]}  # graphs, seconds, bytes
+    while runner.warming_up:
+        shape = runner.graphs.pending[0] if runner.graphs.pending and not runner.lm_head_rows else None
+        free = free_device_memory()
+        started = time.perf_counter()
+        core.warm_up_next()
+        if shape is not None:
+            kind = took[shape.verifies]
+            kind[0] += 1
+            kind[1] += time.perf_counter() - started
+            kind[2] += free - free_device_memory()
+    for verifies, (count, seconds, taken) in took.items():
+        print(f"{'verification' if verifies else 'plain'} CUDA graphs: {count} in {seconds:.2f} s, "
+              f"{taken / 2**20:.0f} MiB")
 
 
 def served_step_ms(core, steps: int) -> float:
