@@ -23,7 +23,10 @@ prompts, speculation off, in four batches of a quarter of the size, and shows ho
 differs when only the batch's shape changes.
 
 --step-cost instead times one engine step on random weights of a shape (default: the Qwen3-0.6B shape) for
-batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step. With
+batches of B requests, each scoring its last token plus k draft tokens, against the plain decode step (k = 0),
+each launched and its ids read before the next is launched, as a drafting step runs; and against the plain
+step as a server runs it ("served"): overlapped, launched before the previous step's ids are read, the step
+period a drafting step must beat (bench/latency.py's time per output token). With
 --draft-cost, the engine also loads a random EAGLE-3 head of the shape's width (bench/models' config: its
 hidden size, heads, MLP width and vocabulary; DRAFT_VOCAB draft tokens; the default auxiliary layers), so every
 step also hands the head its auxiliary states, and times the head's drafting of k tokens for the batch (a
@@ -190,6 +193,10 @@ def warm_lm_head(llm: LLM, k: int) -> None:
     synchronize()
 
 
+def free_device_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -260,17 +267,19 @@ def step_cost(args) -> None:
     drafter = core.speculator.drafter
     core.overlap, core.speculator = False, None  # steps come back in order; drafts are set by hand
     warm_lm_head(llm, most)
-    core.finish_warm_up()  # the CUDA graphs, captured now rather than before a first decode step
-    print(f"\n{'batch':>5} {'k':>3} {'ms/step':>8} {'vs k=0':>7}" + (f" {'draft ms':>8} {'both vs k=0':>11}"
-                                                                     if args.draft_cost else ""))
+    capture_graphs(core)
+    print(f"\n{'batch':>5} {'k':>6} {'ms/step':>8} {'vs k=0':>7} {'vs served':>9}"
+          + (f" {'draft ms':>8} {'both vs k=0':>11}" if args.draft_cost else ""))
     for batch in args.batches:
         context = min(CONTEXT, core.max_model_len // 2)
-        seqs = [core.make_sequence(i, [7 + i % 100] * context, SamplingParams(temperature=0, max_tokens=64))
-                for i in range(batch)]
+        seqs = [core.make_sequence(i, [7 + i % 100] * context,
+                                   SamplingParams(temperature=0, max_tokens=args.repeats + 64)) for i in range(batch)]
         for seq in seqs:
             core.add(seq)
         while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
             core.step()  # the prompts, and one token each
+        served = served_step_ms(core, args.repeats)
+        print(f"{batch:5d} {'served':>6} {served:8.3f}", flush=True)
         base = None
         for k in [0, *args.draft_lengths]:
             for seq in seqs:
@@ -280,7 +289,7 @@ def step_cost(args) -> None:
                 assert core.block_manager.allocate(seq, 1 + k)
             ms = median_ms(lambda: core.runner.finish(core.runner.launch(seqs, num_tokens)), args.repeats)
             base = base or ms
-            line = f"{batch:5d} {k:3d} {ms:8.3f} {ms / base:7.2f}"
+            line = f"{batch:5d} {k:6d} {ms:8.3f} {ms / base:7.2f} {ms / served:9.2f}"
             if args.draft_cost and k:
                 draft_ms = median_ms(lambda: drafter.propose_batch(seqs, [k] * batch), args.repeats)
                 line += f" {draft_ms:8.3f} {(ms + draft_ms) / base:11.2f}"
@@ -288,6 +297,41 @@ def step_cost(args) -> None:
         for seq in seqs:
             seq.draft_token_ids = []
             core.abort(seq)
+
+
+def capture_graphs(core) -> None:
+    """Runs the engine's warm-up now rather than before a first decode step, and prints what the CUDA graphs of
+    each kind took: plain ones (decode and prefill), and verification ones, which only a speculative engine
+    captures (seconds, and the device memory they took off the free memory)."""
+    runner, took = core.runner, {False: [0, 0.0, 0], True: [0, 0.0, 0]}  # graphs, seconds, bytes
+    while runner.warming_up:
+        shape = runner.graphs.pending[0] if runner.graphs.pending and not runner.lm_head_rows else None
+        free = free_device_memory()
+        started = time.perf_counter()
+        core.warm_up_next()
+        if shape is not None:
+            kind = took[shape.verifies]
+            kind[0] += 1
+            kind[1] += time.perf_counter() - started
+            kind[2] += free - free_device_memory()
+    for verifies, (count, seconds, taken) in took.items():
+        print(f"{'verification' if verifies else 'plain'} CUDA graphs: {count} in {seconds:.2f} s, "
+              f"{taken / 2**20:.0f} MiB")
+
+
+def served_step_ms(core, steps: int) -> float:
+    """The median period of a plain decode step as a server runs it: overlapped, each step launched before the
+    ids of the one in flight are read (no drafts: the speculator is off). Leaves nothing in flight."""
+    core.overlap = True
+    core.step()  # launches the next step ahead
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        core.step()  # returns the ids of the step in flight, the next one launched
+        times.append(time.perf_counter() - started)
+    core.overlap = False
+    core.step()  # the step still in flight
+    return 1000 * statistics.median(times)
 
 
 def median_ms(call, repeats: int) -> float:

@@ -45,6 +45,7 @@ class StagedStep:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool
+    rows_read_each_other: bool  # verification rows: attention stores all the step's keys first
     logits_lead: bool  # every token samples: the logits rows are the step's first rows
     sample_rows: list[int]
     graph: GraphShape | None
@@ -107,7 +108,6 @@ class StepBuffers:
     def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device, shifted_positions: bool = False):
         self.block_size, self.max_model_len = config.block_size, max_model_len
         self.shifted_positions = shifted_positions
-        self.verifies_drafts = config.num_speculative_tokens > 0  # decode steps may be verification rows
         self.max_blocks_per_seq = width = -(-max_model_len // config.block_size)
         max_rows = config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, max_rows)
@@ -166,7 +166,9 @@ class StepBuffers:
         first len(follows) sequences compute one token each, the one sampled in these rows of the step in
         flight (not yet on the host). as_rows: a verification step (verifies_as_rows) staged as a decode step
         of one row per token, each row attending to its request's cache up to its own position: the decode
-        kernels and graphs, whose cost at a small batch hardly grows with rows, serve it."""
+        kernels and graphs, whose cost at a small batch hardly grows with rows, serve it (the verification
+        graphs: its rows read keys that its other rows store, engine/cuda_graphs.py). A graph's own shape says
+        whether it verifies (a capture stages no sequences)."""
         num_seqs, num_follows = len(seqs), len(follows)
         longs, ints = self.longs.writable(), self.ints.writable()
         counts = np.array(num_tokens, dtype=np.int64)
@@ -224,7 +226,7 @@ class StepBuffers:
             size, num_rows, num_logits,
             max_seqlen_q=size if graph and not graph.is_decode else int(row_counts.max(initial=1)),
             max_seqlen_k=self.max_model_len if graph else int(seq_lens.max()),  # a graph serves any length
-            is_decode=is_decode,
+            is_decode=is_decode, rows_read_each_other=graph.verifies if graph else as_rows,
             logits_lead=num_logits == total,  # every token samples: the logits rows are the step's first rows
             sample_rows=np.flatnonzero(samples).tolist(), graph=graph, num_follows=num_follows,
             host=(longs[:3 * tokens_at + num_logits], ints[:order_at + num_rows], tables[:num_rows, :columns]))
@@ -238,7 +240,7 @@ class StepBuffers:
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables,
             max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, is_decode=staged.is_decode,
-            seq_order=order, rows_read_each_other=self.verifies_drafts and staged.is_decode)
+            seq_order=order, rows_read_each_other=staged.rows_read_each_other)
         return StepInputs(ids, pos, meta, slice(0, num_logits) if staged.logits_lead else logits, staged.sample_rows)
 
     def restage(self, staged: StagedStep) -> None:

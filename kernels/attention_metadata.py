@@ -25,6 +25,6 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one query token
     seq_order: Tensor | None = None  # int32 [B], decode: the rows, longest context first (the order they start in)
     image_spans: Tensor | None = None  # int64 [T, 2]: key positions [start, end) each query sees beyond causal
-    # A speculative engine's decode rows may be one request's draft tokens, a later row reading the keys an
-    # earlier one stores in the same step: all keys are stored before attention starts, not within its launch.
+    # Decode rows that read each other's keys (one request's draft tokens, a later row reading the key an earlier
+    # one stores in the same step): all keys are stored before attention starts, not within its launch.
     rows_read_each_other: bool = False

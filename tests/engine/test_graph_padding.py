@@ -13,10 +13,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
 
 
 class EagerReplay:
-    """A stand-in for a captured graph: runs the forward on the padded step buffers of its shape."""
+    """A stand-in for a captured graph: runs the forward on the padded step buffers of its shape, with the
+    attention path its capture takes (staged as CudaGraphs.capture_next stages it: padding only)."""
 
     def __init__(self, runner, shape: GraphShape):
         self.runner, self.shape, self.replays = runner, shape, 0
+        self.rows_read_each_other = runner.buffers.stage([], [], shape).rows_read_each_other
 
     def replay(self) -> None:
         runner, shape = self.runner, self.shape
@@ -24,7 +26,8 @@ class EagerReplay:
             shape.num_tokens, shape.num_rows, 0)
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens, seq_lens=seq_lens,
                                  block_tables=tables, max_seqlen_q=1 if shape.is_decode else shape.num_tokens,
-                                 max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode, seq_order=order)
+                                 max_seqlen_k=runner.max_model_len, is_decode=shape.is_decode, seq_order=order,
+                                 rows_read_each_other=self.rows_read_each_other)
         runner.graphs.hidden[:shape.num_tokens] = runner.model(ids, positions, meta)
         self.replays += 1
 

@@ -10,6 +10,7 @@ token as computed breaks the KV cache and leaks blocks. The rejection rule's out
 model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
 import inspect
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -313,11 +314,14 @@ def test_verification_steps_replay_the_graphs_of_their_padded_shapes(tiny_llama,
     kinds = verification_kinds(llm)
     assert outputs(llm, prompts, params) == expected
     assert True in kinds
-    assert any(graph.replays for shape, graph in graphs.items() if shape.is_decode and shape.num_tokens > 1)
+    assert any(graph.replays for shape, graph in graphs.items() if shape.verifies)
     assert_all_blocks_free(llm)
-    graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32))
+    graphs = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, speculative="ngram"))
+    assert [shape.num_tokens for shape in graphs.shapes() if shape.verifies] == [2, 4, 8, 16, 24, 32]
+    assert not any(shape.verifies for shape in CudaGraphs(EngineConfig(model="-", device="cpu")).shapes())
     graphs.captured = dict.fromkeys(graphs.shapes())
-    assert graphs.shape_for([3, 4], as_rows=True) == GraphShape(8, 8, is_decode=True)
+    assert graphs.shape_for([3, 4], as_rows=True) == GraphShape(8, 8, is_decode=True, verifies=True)
+    assert graphs.shape_for([1] * 7) == GraphShape(8, 8, is_decode=True), "a plain step: the fused kernel's graph"
     assert graphs.shape_for([3, 4]) == GraphShape(16, 32, is_decode=False)
 
 
@@ -411,25 +415,46 @@ def test_back_off_weighs_the_median_request_not_a_few_fast_ones():
     assert speculator.decide(seqs), "three of five gain: a drafting step is timed first"
 
 
-def test_a_speculative_engine_stores_a_decode_steps_keys_before_its_attention(tiny_llama, prompts, monkeypatch):
-    """Its decode steps (verifications among them, and the graphs they replay) tell attention that rows read
-    each other's keys; a plain engine's do not, keeping the fused kernel."""
-    seen = []
-    attention = llama.qkv_paged_attention
+def attention_by_step(llm, monkeypatch) -> list[tuple[bool, set[bool]]]:
+    """Records, per step the runner launches, whether it verifies drafts and the rows_read_each_other its decode
+    attention ran with (True: every key stored first; False: each row's own, within the fused kernel's launch)."""
+    steps, runner, attention = [], llm.core.runner, llama.qkv_paged_attention
+    launch = runner.launch
 
-    def recording(*args, **kwargs):
+    def recording_launch(seqs, num_tokens, *args, **kwargs):
+        steps.append((any(seq.draft_token_ids for seq in seqs), set()))
+        return launch(seqs, num_tokens, *args, **kwargs)
+
+    def recording_attention(*args, **kwargs):
         meta = inspect.signature(attention).bind(*args, **kwargs).arguments["meta"]
         if meta.is_decode:
-            seen.append(meta.rows_read_each_other)
+            steps[-1][1].add(meta.rows_read_each_other)
         return attention(*args, **kwargs)
 
-    monkeypatch.setattr(llama, "qkv_paged_attention", recording)
-    params = SamplingParams(temperature=0, max_tokens=8)
-    outputs(LLM(tiny_llama.path, dtype="float32"), prompts[:2], params)
-    assert seen and not any(seen)
-    seen.clear()
-    outputs(speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")), prompts[:2], params)
-    assert seen and all(seen)
+    monkeypatch.setattr(runner, "launch", recording_launch)
+    monkeypatch.setattr(llama, "qkv_paged_attention", recording_attention)
+    return steps
+
+
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the stand-in graphs run the forward in Python; a GPU's real ones don't"))])
+def test_only_verification_steps_store_their_keys_before_attention(tiny_llama, prompts, plain, monkeypatch, graphs):
+    """A verification step's rows read keys its other rows store in the same step: its attention stores them
+    all first, eagerly or in a verification graph. The plain decode steps of the same engine keep the fused
+    kernel's way (and its graphs), as an engine without speculation does."""
+    references, params, expected = plain
+    llm = speculating(LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3", max_num_seqs=8,
+                          max_num_batched_tokens=40, enforce_eager=not graphs), CorruptedOracle(references, VOCAB))
+    turns = itertools.cycle([True, False])
+    llm.core.speculator.decide = lambda running: next(turns)  # drafting and plain steps take turns
+    stand_ins = with_eager_graphs(llm) if graphs else {}
+    steps = attention_by_step(llm, monkeypatch)
+    assert outputs(llm, prompts, params) == expected
+    decode_steps = [(verifies, paths) for verifies, paths in steps if paths]
+    assert {verifies for verifies, _ in decode_steps} == {True, False}, "both kinds of decode step ran"
+    assert all(paths == {verifies} for verifies, paths in decode_steps)
+    replayed = {shape.verifies for shape, graph in stand_ins.items() if shape.is_decode and graph.replays}
+    assert replayed == ({True, False} if graphs else set()), "both kinds replayed their own graphs"
 
 
 def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
