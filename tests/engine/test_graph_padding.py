@@ -33,6 +33,8 @@ class EagerReplay:
 
 
 def with_eager_graphs(llm) -> dict:
+    """Every graph shape's stand-in, after the warm-up (on CUDA it captures real graphs over them)."""
+    llm.core.finish_warm_up()
     runner = llm.core.runner
     shapes = runner.graphs.shapes()
     runner.graphs.hidden = torch.zeros(max(s.num_tokens for s in shapes), runner.hidden_size, dtype=runner.dtype,
