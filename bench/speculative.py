@@ -11,7 +11,9 @@ Workloads (the packaged SmolLM2-135M-Instruct, real weights, through its chat te
   of its own invention rather than the piece edited, and the plain request in this form is the one it
   copies from (a Markdown code fence around the piece, or "Python code" for "text", makes it invent again).
 - random: the Nano-vLLM workload's random prompts and sampling (bench/throughput.py's workload(): random
-  token ids, temperature 0.6, ignore_eos), the first B requests at batch B, output lengths cut to --max-tokens.
+  token ids, temperature 0.6, ignore_eos), output lengths cut to --max-tokens.
+At batch B a run serves max(B, --min-requests) requests of the workload, B at a time (one generate call per group
+of B), so that batch 1 is not one request's luck and a run is long enough to time.
 Each (workload, batch) runs with speculation off and then with each drafter on one engine (the speculator
 swapped between runs, the prefix cache emptied), after a warm-up of every mode; --runs rounds, the median.
 
@@ -126,8 +128,9 @@ def random_workload(batch: int, max_tokens: int) -> tuple[list[list[int]], list[
     return prompts[:batch], params[:batch]
 
 
-def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params) -> dict:
-    """mode: off, a drafter, or off/4 (speculation off, the prompts in four batches one after the other). A
+def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params, batch: int) -> dict:
+    """mode: off, a drafter, or off/4 (speculation off, batches of a quarter of the size); the prompts go batch
+    at a time, one group after the other. A
     drafter's Speculator lives across runs, as a server's does across requests: the step periods it measured
     in the warm-up and earlier runs keep deciding, so a run does not pay for learning them again."""
     core = llm.core
@@ -135,8 +138,7 @@ def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params
     core.draft_next = False  # the mode before may have left a drafting step to come
     core.block_manager.reset_prefix_cache()
     before = core.stats()
-    groups = 4 if mode == "off/4" else 1
-    size = -(-len(prompts) // groups)
+    size = max(batch // 4, 1) if mode == "off/4" else batch
     synchronize()
     started = time.perf_counter()
     outputs = [out for i in range(0, len(prompts), size) for out in llm.generate(prompts[i:i + size],
@@ -159,10 +161,10 @@ def step_periods(speculator: Speculator | None) -> str:
                     for b, p in sorted(speculator.periods.items()))
 
 
-def median_runs(llm: LLM, modes: list[str], args, prompts, params) -> dict[str, dict]:
+def median_runs(llm: LLM, modes: list[str], args, prompts, params, batch: int) -> dict[str, dict]:
     """Each mode's run of median tokens per second over --runs rounds, the modes taking turns in each round (so
     that a drift of the GPU's clocks or the host's load falls on all of them)."""
-    rounds = [{mode: run(llm, mode, args.speculators, prompts, params) for mode in modes}
+    rounds = [{mode: run(llm, mode, args.speculators, prompts, params, batch) for mode in modes}
               for _ in range(args.runs)]
     return {mode: sorted((r[mode] for r in rounds), key=lambda result: result["tok_s"])[args.runs // 2]
             for mode in modes}
@@ -209,15 +211,17 @@ def workloads_table(args) -> None:
     modes = ["off", *args.methods]
     args.speculators = {method: Speculator(method, args.k, llm.config.max_num_seqs) for method in args.methods}
     for mode in modes:  # warm-up: kernels of every step shape these modes make
-        run(llm, mode, args.speculators, *copy_workload(llm, 8, 64))
-        run(llm, mode, args.speculators, *random_workload(8, 64))
+        run(llm, mode, args.speculators, *copy_workload(llm, 8, 64), 8)
+        run(llm, mode, args.speculators, *random_workload(8, 64), 8)
     rows = []
     for name in args.workloads:
         for batch in args.batches:
-            prompts, params = (copy_workload(llm, batch, args.max_tokens) if name == "copy"
-                               else random_workload(batch, args.max_tokens))
+            count = max(batch, args.min_requests)
+            prompts, params = (copy_workload(llm, count, args.max_tokens) if name == "copy"
+                               else random_workload(count, args.max_tokens))
             greedy = not params[0].temperature
-            results = median_runs(llm, modes + (["off/4"] if greedy and batch >= 4 else []), args, prompts, params)
+            results = median_runs(llm, modes + (["off/4"] if greedy and batch >= 4 else []), args, prompts, params,
+                                  batch)
             base = results["off"]
             for mode, result in results.items():
                 same = agreement(result["outputs"], base["outputs"]) if greedy else ""
@@ -354,6 +358,7 @@ def main():
     ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "suffix"])
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per request and step")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--min-requests", type=int, default=8, help="requests a run serves at least, batch at a time")
     ap.add_argument("--runs", type=int, default=3, help="rounds of every mode per workload and batch (median)")
     ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
     ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")
