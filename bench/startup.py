@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/startup.py                                   # Qwen3-0.6B and -8B shapes, both entries
     PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm
     PYTHONPATH=. python3 bench/startup.py --front-cmd "python3 -m daemon_protocol.mock_daemon"
-    PYTHONPATH=. python3 bench/startup.py --models qwen3-8b --entries engine --env HFENDPOINT_LOAD_THREADS=1
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-8b --entries engine --env HFENDPOINT_GPU_FEATURES=portable
     PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm --importtime
 
 For each model shape (random weights on local disk, bench/random_model.py, served with bench/serve.py's word-level
@@ -20,7 +20,7 @@ tokenizer) and each entry, every case runs in a fresh process:
 Cache `empty` points TRITON_CACHE_DIR at a new folder; `warm` then reuses the folder the empty case of the same
 model and entry filled. Every time is in seconds from the moment the process was started.
 Each case also shows the engine's start-up lines (engine/startup_log.py): where its seconds went. --env adds
-variables to every case's environment (HFENDPOINT_LOAD_THREADS=1: the weights one tensor at a time).
+variables to every case's environment (HFENDPOINT_GPU_FEATURES=portable: the pre-Hopper paths).
 --importtime runs the engine entry under `python -X importtime` (which slows imports a little) and lists, for the
 imports before "imports done" and for those after it, the packages whose modules took longest (their own time,
 nested imports excluded) and the slowest modules.

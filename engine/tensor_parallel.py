@@ -85,7 +85,7 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
                     torch.cuda.synchronize(device)
             with phase("weights", lambda: weights_size(loaded.model)):
                 loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                                    config.fp8_gemm, config.load_threads)
+                                    config.fp8_gemm)
             if kernel_imports:
                 kernel_imports.result()
         if ranks:
@@ -245,7 +245,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     gpu_features.configure(config.disabled_gpu_features)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                            config.fp8_gemm, config.load_threads)
+                            config.fp8_gemm)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(f"{type(exc).__name__}: {exc}")
         return
