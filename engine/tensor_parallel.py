@@ -72,7 +72,8 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
     theirs, and on a GPU while a thread imports the kernels (Triton's compiler among them) that the first forward
     would import otherwise. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
-    check_config(config)
+    with phase("device checks"):  # on a GPU the first CUDA call, which starts the driver: its own line
+        check_config(config)
     gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     device = ranks.device if ranks else config.torch_device
