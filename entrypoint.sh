@@ -48,7 +48,6 @@ Passed on to the handler (inherited environment; defaults in the README):
   HFENDPOINT_CACHE_DIR (converted config and tokenizer of .gguf models), HFENDPOINT_OVERLAP_STEPS,
   HFENDPOINT_FP8_GEMM, HFENDPOINT_KV_CACHE_DTYPE, HFENDPOINT_GPU_FEATURES, HFENDPOINT_SPECULATIVE,
   HFENDPOINT_DATA_PARALLEL_SIZE (engines, each on its own HFENDPOINT_TENSOR_PARALLEL_SIZE GPUs; default 1),
-  HFENDPOINT_LOAD_THREADS (checkpoint tensors loaded at once on a GPU; default 1),
   HFENDPOINT_TRUST_REQUEST_CHAT_TEMPLATE (run chat templates sent with requests; default false),
   HFENDPOINT_DRAIN_TIMEOUT (seconds the requests in flight get after SIGTERM; default 30),
   HFENDPOINT_IMAGE_MAX_BYTES, HFENDPOINT_IMAGE_MAX_PIXELS, HFENDPOINT_IMAGE_FETCH_TIMEOUT,

@@ -69,7 +69,7 @@ def draw_weights_at_load(std: float = 0.02) -> None:
     import models.loader
 
     @torch.no_grad()
-    def draw(model, model_dir, threads=1):
+    def draw(model, model_dir):
         for name, param in model.named_parameters():
             if param.dtype == torch.uint8:
                 param.fill_(MXFP4_SCALE) if name.endswith("_scales") else param.random_(0, 256)

@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 bench/startup.py                                   # Qwen3-0.6B and -8B shapes, both entries
     PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm
     PYTHONPATH=. python3 bench/startup.py --front-cmd "python3 -m daemon_protocol.mock_daemon"
-    PYTHONPATH=. python3 bench/startup.py --models qwen3-8b --entries engine --env HFENDPOINT_LOAD_THREADS=1
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-8b --entries engine --env HFENDPOINT_GPU_FEATURES=portable
     PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --no-warm --importtime
+    PYTHONPATH=. python3 bench/startup.py --models qwen3-0.6b --entries engine --profile
 
 For each model shape (random weights on local disk, bench/random_model.py, served with bench/serve.py's word-level
 tokenizer) and each entry, every case runs in a fresh process:
@@ -20,10 +21,13 @@ tokenizer) and each entry, every case runs in a fresh process:
 Cache `empty` points TRITON_CACHE_DIR at a new folder; `warm` then reuses the folder the empty case of the same
 model and entry filled. Every time is in seconds from the moment the process was started.
 Each case also shows the engine's start-up lines (engine/startup_log.py): where its seconds went. --env adds
-variables to every case's environment (HFENDPOINT_LOAD_THREADS=1: the weights one tensor at a time).
+variables to every case's environment (HFENDPOINT_GPU_FEATURES=portable: the pre-Hopper paths).
 --importtime runs the engine entry under `python -X importtime` (which slows imports a little) and lists, for the
 imports before "imports done" and for those after it, the packages whose modules took longest (their own time,
 nested imports excluded) and the slowest modules.
+--profile runs the engine entry's start and first token (after its imports) under cProfile, which sees the main
+thread only and slows Python code, and lists the functions that took longest on it, their own time and with what
+they called: a wait for the GIL that another start-up thread holds counts as the waiting call's own time.
 """
 import argparse
 import asyncio
@@ -52,18 +56,33 @@ CASE_TIMEOUT_S = 900.0
 STARTUP_LOGGER = "engine.startup: "
 
 ENGINE_SCRIPT = """
-import logging, os, pathlib, sys
+import cProfile, io, logging, os, pathlib, pstats, sys
 sys.stdout = sys.stderr  # the marks in order with the log and -X importtime lines
+profiler = cProfile.Profile() if len(sys.argv) > 3 else None  # argv[3]: the rows to list
 print("started", flush=True)
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
 logging.getLogger("engine").setLevel(logging.INFO)
 from engine import LLM, SamplingParams
 print("imports done", flush=True)
+if profiler:
+    profiler.enable()
 llm = LLM(sys.argv[1])
 print("engine ready", flush=True)
+if profiler:
+    profiler.disable()
 print("kernels at ready", sum(1 for _ in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")), flush=True)
+if profiler:
+    profiler.enable()
 llm.generate([list(map(int, sys.argv[2].split(",")))], SamplingParams(max_tokens=1, temperature=0))
 print("first token", flush=True)
+if profiler:
+    profiler.disable()
+    for order in ("tottime", "cumtime"):
+        report = io.StringIO()
+        pstats.Stats(profiler, stream=report).sort_stats(order).print_stats(int(sys.argv[3]))
+        for line in report.getvalue().splitlines():
+            print("profile:", line, flush=True)
+    print("profile done", flush=True)
 """
 
 VERSIONS_SCRIPT = """
@@ -141,17 +160,22 @@ def default_front() -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def run_engine(case: Case, model_dir: Path, env: dict[str, str], importtime: bool = False) -> Process:
+def run_engine(case: Case, model_dir: Path, env: dict[str, str], importtime: bool = False,
+               profile: bool = False) -> Process:
     python = [sys.executable, "-X", "importtime"] if importtime else [sys.executable]
-    process = Process([*python, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS))], env)
+    process = Process([*python, "-c", ENGINE_SCRIPT, str(model_dir), ",".join(map(str, PROMPT_IDS)),
+                       *([str(PROFILE_ROWS)] if profile else [])], env)
     for mark in ("imports done", "engine ready", "first token"):
         case.marks[mark] = process.wait_for(f"^{mark}$")[0]
     case.kernels_at_ready = int(process.wait_for(r"^kernels at ready (\d+)$")[1].group(1))
+    if profile:
+        process.wait_for("^profile done$")
     return process
 
 
 IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)$")
 TOP_IMPORTS = 12
+PROFILE_ROWS = 30  # functions listed by --profile, in each order
 
 
 def import_report(lines: list[tuple[float, str]], imports_done: float) -> str:
@@ -213,12 +237,12 @@ def case_env(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, 
 
 
 def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str], extra_env: dict[str, str],
-             importtime: bool) -> None:
+             importtime: bool, profile: bool) -> None:
     env = case_env(cache_dir, extra_env)
     print(f"--- {case.label}", flush=True)
     process = None
     try:
-        process = (run_engine(case, model_dir, env, importtime) if case.entry == "engine"
+        process = (run_engine(case, model_dir, env, importtime, profile) if case.entry == "engine"
                    else run_front(case, model_dir, env, front))
     finally:
         if process:
@@ -230,6 +254,9 @@ def run_case(case: Case, model_dir: Path, cache_dir: Path, front: list[str], ext
     print("    " + ", ".join(f"{mark} {seconds:.2f}" for mark, seconds in case.marks.items()), flush=True)
     if importtime and case.entry == "engine":
         print("    " + import_report(process.lines, case.marks["imports done"]).replace("\n", "\n    "), flush=True)
+    for _, line in process.lines:
+        if line.startswith("profile: "):
+            print(f"    {line}")
 
 
 def random_model(name: str) -> Path:
@@ -269,6 +296,8 @@ def main() -> None:
     ap.add_argument("--env", nargs="+", default=[], metavar="NAME=VALUE", help="variables for every case")
     ap.add_argument("--importtime", action="store_true",
                     help="the engine entry under python -X importtime, with where its imports' seconds went")
+    ap.add_argument("--profile", action="store_true",
+                    help="the engine entry's start and first token under cProfile, with its slowest functions")
     args = ap.parse_args()
     if bad := [item for item in args.env if "=" not in item]:
         ap.error(f"--env takes NAME=VALUE, not {bad[0]!r}")
@@ -285,7 +314,7 @@ def main() -> None:
                 cache_dir.mkdir(parents=True)
                 for cache in CACHES[:1 + args.warm]:  # empty first: warm reuses what it filled
                     cases.append(Case(model, entry, cache))
-                    run_case(cases[-1], model_dir, cache_dir, front, extra_env, args.importtime)
+                    run_case(cases[-1], model_dir, cache_dir, front, extra_env, args.importtime, args.profile)
     print(table(cases))
     if args.json:
         Path(args.json).write_text(json.dumps([case.__dict__ for case in cases], indent=1))

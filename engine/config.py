@@ -41,11 +41,10 @@ class EngineConfig:
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
     speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix [:k=N] | eagle3:PATH [,k=N]
     data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
-    load_threads: int = 1               # HFENDPOINT_LOAD_THREADS: checkpoint tensors loaded at once
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
-                     "block_size", "max_embedding_batch_tokens", "load_threads"):
+                     "block_size", "max_embedding_batch_tokens"):
             value = getattr(self, name)
             _check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
         _check("block_size", self.block_size & (self.block_size - 1) == 0, "a power of two (the kernels need it)")
@@ -182,7 +181,6 @@ ENV_NAMES = {
     "kv_cache_dtype": "HFENDPOINT_KV_CACHE_DTYPE",
     "gpu_features": "HFENDPOINT_GPU_FEATURES",
     "speculative": "HFENDPOINT_SPECULATIVE",
-    "load_threads": "HFENDPOINT_LOAD_THREADS",
 }
 
 

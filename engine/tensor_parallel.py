@@ -72,7 +72,8 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
     """Rank 0's part of the model, loaded while the other ranks (started here; None for one rank) load
     theirs, and on a GPU while a thread imports the kernels (Triton's compiler among them) that the first forward
     would import otherwise. EngineCore hands the ranks to its runner, whose start-up runs in step with theirs."""
-    check_config(config)
+    with phase("device checks"):  # on a GPU the first CUDA call, which starts the driver: its own line
+        check_config(config)
     gpu_features.configure(config.disabled_gpu_features)
     ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
     device = ranks.device if ranks else config.torch_device
@@ -85,7 +86,7 @@ def load_on_all_ranks(config: EngineConfig) -> tuple[LoadedModel, "TensorParalle
                     torch.cuda.synchronize(device)
             with phase("weights", lambda: weights_size(loaded.model)):
                 loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                                    config.fp8_gemm, config.load_threads)
+                                    config.fp8_gemm)
             if kernel_imports:
                 kernel_imports.result()
         if ranks:
@@ -245,7 +246,7 @@ def run_rank(config: EngineConfig, rank: int, port: int, pipe, parent_pid: int) 
     gpu_features.configure(config.disabled_gpu_features)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.cache_dir, config.max_model_len,
-                            config.fp8_gemm, config.load_threads)
+                            config.fp8_gemm)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(f"{type(exc).__name__}: {exc}")
         return

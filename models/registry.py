@@ -72,20 +72,19 @@ def build_decoder(hf_config, dtype: torch.dtype, device: torch.device, with_lm_h
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-               max_model_len: int | None = None, fp8_gemm: str = "scaled_mm", load_threads: int = 1) -> LoadedModel:
+               max_model_len: int | None = None, fp8_gemm: str = "scaled_mm") -> LoadedModel:
     """Load a local checkpoint directory (config.json + safetensors) or a .gguf file (its converted metadata kept
     under cache_dir, see models/gguf_loader.py). max_model_len and fp8_gemm go to the decoder (see
-    models/llama.py); load_threads: how many of a decoder's tensors load at once on a GPU (models/loader.py)."""
+    models/llama.py)."""
     from models.loader import load_safetensors, load_weights
 
-    threads = load_threads if device.type == "cuda" else 1  # on the CPU torch's own threads share each copy
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
         from models.gguf_loader import gguf_model_dir, iterate_gguf
 
         model_dir = gguf_model_dir(model_path, cache_dir)
         hf_config = AutoConfig.from_pretrained(model_dir)
         model = build_decoder(hf_config, dtype, device, architecture_of(hf_config) in DECODERS, max_model_len)
-        load_weights(model, iterate_gguf(model_path, hf_config), source=model_path, threads=threads)
+        load_weights(model, iterate_gguf(model_path, hf_config), source=model_path)
         return LoadedModel(model.eval(), hf_config, "decoder", model_dir)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"{model_path!r} is neither a .gguf file nor a directory with a config.json")
@@ -98,7 +97,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_
         return LoadedModel(load_bert(model_path, hf_config, dtype, device, classifier).eval(), hf_config,
                            "classifier" if classifier else "encoder", model_path)
     model = build_decoder(hf_config, dtype, device, architecture in DECODERS, max_model_len, fp8_gemm)
-    load_safetensors(model, model_path, threads)
+    load_safetensors(model, model_path)
     vision = load_vision(model_path, hf_config, architecture, dtype, device) if architecture in VISION_ARCHITECTURES \
         else None
     return LoadedModel(model.eval(), hf_config.get_text_config(), "decoder", model_path, vision)
