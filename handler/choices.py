@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from daemon_protocol import RequestError
 from engine import SamplingParams
+from engine.sent_once import SentOnce
 from handler.detokenizer import Detokenizer
 from handler.grammar import GrammarConstraint
 from handler.logprobs import LogprobEntries
@@ -26,12 +27,12 @@ MARKERS = frozenset(marker for markers in FORMAT_MARKERS.values() for marker in 
 class ChatReplies:
     """What turning engine outputs into reply chunks needs of the model, made once."""
 
-    def __init__(self, tokenizer, token_bytes: list[bytes] | None, grammar_info_json: str | None = None):
-        """grammar_info_json: the grammars' tokenizer info, serialized (Grammars.info_json), which each constraint
+    def __init__(self, tokenizer, token_bytes: list[bytes] | None, grammar_info: SentOnce | None = None):
+        """grammar_info: the grammars' tokenizer info, serialized (Grammars.shared_info), which each constraint
         carries to an engine in another process."""
         self.tokenizer = tokenizer.backend_tokenizer  # decoding, on the event loop
         self.logprobs = LogprobEntries(token_bytes) if token_bytes is not None else None
-        self.grammar_info_json = grammar_info_json
+        self.grammar_info = grammar_info
         # special tokens whose text the parsers read (decoding would drop them)
         self.kept_tokens = {token_id: added.content for token_id, added in
                             self.tokenizer.get_added_tokens_decoder().items()
@@ -46,7 +47,7 @@ class ChatReplies:
         choices = {}
         try:
             for index in range(plan.n):
-                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammar_info_json)
+                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammar_info)
                 choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
                 worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
                               constraint=choice.constraint, queue=queue,
@@ -104,10 +105,10 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 class Choice:
     def __init__(self, index: int, detokenizer: Detokenizer, plan: OutputPlan, logprobs: LogprobEntries | None,
-                 grammar_info_json: str | None = None):
+                 grammar_info: SentOnce | None = None):
         self.index = index
         self.completion = Completion(detokenizer)
-        self.constraint = GrammarConstraint(plan.grammar, grammar_info_json) if plan.grammar is not None else None
+        self.constraint = GrammarConstraint(plan.grammar, grammar_info) if plan.grammar is not None else None
         self.schema_field = plan.schema_field
         self.reasoning = ReasoningSplitter(plan.reasoning) if plan.reasoning is not None else None
         tools = plan.tools

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import xgrammar
 
 from daemon_protocol import RequestError
+from engine.sent_once import SentOnce
 from handler.grammar_compiler import CompileRefused, CompileTimeout, GrammarCompilerPool
 from handler.limits import RequestLimits
 
@@ -68,9 +69,14 @@ class Grammars:
 
     @functools.cached_property
     def info_json(self) -> str:
-        """The tokenizer info, serialized: for the compiling processes, and with each constraint that goes to a
-        data-parallel engine's process (GrammarConstraint)."""
+        """The tokenizer info, serialized, for the compiling processes."""
         return self.info.serialize_json()
+
+    @functools.cached_property
+    def shared_info(self) -> SentOnce:
+        """The serialized tokenizer info as each constraint carries it to a data-parallel engine's process
+        (GrammarConstraint): down each engine's pipe once."""
+        return SentOnce(self.info_json)
 
     def start_compilers(self) -> GrammarCompilerPool:
         """The compiling processes, started on first use (the handler starts them with the service)."""
@@ -91,21 +97,23 @@ class Grammars:
 
 
 class GrammarConstraint:
-    """One choice's grammar as the engine drives it (engine/constraints.py). It pickles as its grammar's JSON and
-    its tokenizer info's (info_json, Grammars.info_json, saves serializing it for each request), for an engine in
-    another process (engine/data_parallel.py), which builds a matcher of its own from them."""
+    """One choice's grammar as the engine drives it (engine/constraints.py). It pickles, for an engine in another
+    process (engine/data_parallel.py), as its grammar's JSON (which leaves the tokenizer info out) and its tokenizer
+    info's as a SentOnce (Grammars.shared_info), which crosses each engine's pipe once; the engine builds a matcher
+    of its own from them."""
 
-    __slots__ = ("matcher", "broken", "compiled", "info_json")
+    __slots__ = ("matcher", "broken", "compiled", "info")
     batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, info_json: str | None = None):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, info: SentOnce | None = None):
+        """info: the compiled grammar's tokenizer info, serialized; made from it where not given."""
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.broken = False  # a token it did not allow came: its grammar allowed none (a dead end)
-        self.compiled, self.info_json = compiled, info_json
+        self.compiled, self.info = compiled, info
 
     def __reduce__(self):
-        info_json = self.info_json or self.compiled.tokenizer_info.serialize_json()
-        return rebuilt_constraint, (self.compiled.serialize_json(), info_json)
+        info = self.info or SentOnce(self.compiled.tokenizer_info.serialize_json())
+        return rebuilt_constraint, (self.compiled.serialize_json(), info)
 
     def accept_token(self, token_id: int) -> bool:
         accepted = self.matcher.accept_token(token_id)
@@ -126,11 +134,10 @@ class GrammarConstraint:
 
 
 @functools.lru_cache(maxsize=1)
-def _tokenizer_info(info_json: str) -> xgrammar.TokenizerInfo:
-    return xgrammar.TokenizerInfo.deserialize_json(info_json)
+def _tokenizer_info(info: SentOnce) -> xgrammar.TokenizerInfo:
+    return xgrammar.TokenizerInfo.deserialize_json(info.value)
 
 
-def rebuilt_constraint(grammar_json: str, info_json: str) -> GrammarConstraint:
+def rebuilt_constraint(grammar_json: str, info: SentOnce) -> GrammarConstraint:
     """A pickled GrammarConstraint, in the process that unpickles it (the tokenizer info deserialized once)."""
-    info = _tokenizer_info(info_json)
-    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, info), info_json)
+    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, _tokenizer_info(info)), info)
