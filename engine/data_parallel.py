@@ -7,7 +7,8 @@ the handler's process keeps no engine, so its GIL serves only its event loop (ro
 the engines' pipe readers, never an engine's step. DataParallelWorker offers the Worker's interface: each request
 goes where engine/router.py says (the longest cached prefix unless markedly busier), the choices of one completion
 to the engine of its first, and embeddings to engine 0. A request's constraint travels with it (it must pickle:
-handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt there); the handler's copy, which
+handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt there; the tokenizer info that every
+grammar needs crosses each engine's pipe once, engine/sent_once.py); the handler's copy, which
 the engine never sees, replays the request's tokens when the request fails, so that it knows whether a token broke
 it as the engine's copy does.
 
@@ -32,6 +33,7 @@ from engine.config import EngineConfig
 from engine.engine_core import check_prompt
 from engine.images import check_step_budget, image_runs
 from engine.router import PrefixRouter
+from engine.sent_once import PipePickler
 from engine.tensor_parallel import SHUTDOWN_GRACE_S, exit_when_orphaned, keep_off_protocol_streams
 from engine.worker import RequestOutput, Worker, _post, _put_all, _set_future
 
@@ -200,6 +202,7 @@ class EngineProcess:
         self.index, self.on_lost = index, on_lost
         context = multiprocessing.get_context("spawn")
         self.pipe, theirs = context.Pipe()
+        self._pickler = PipePickler()
         self.process = context.Process(target=run_engine, args=(config, index, devices, theirs, os.getpid()),
                                        name=f"data-parallel-engine-{index}")  # not daemonic: it may start TP ranks
         self.process.start()
@@ -264,7 +267,7 @@ class EngineProcess:
     def _send(self, kind: str, args: tuple) -> None:
         """Under the lock; an engine that has gone is reported by the reader, which fails the request."""
         try:
-            self.pipe.send((kind, args))
+            self.pipe.send_bytes(self._pickler.dumps((kind, args)))
         except OSError:
             pass
 

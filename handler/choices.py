@@ -13,7 +13,7 @@ from dataclasses import replace
 from daemon_protocol import RequestError
 from engine import SamplingParams
 from handler.detokenizer import Detokenizer
-from handler.grammar import GrammarConstraint
+from handler.grammar import GrammarConstraint, Grammars
 from handler.logprobs import LogprobEntries
 from handler.output_plan import OutputPlan
 from handler.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
@@ -26,12 +26,12 @@ MARKERS = frozenset(marker for markers in FORMAT_MARKERS.values() for marker in 
 class ChatReplies:
     """What turning engine outputs into reply chunks needs of the model, made once."""
 
-    def __init__(self, tokenizer, token_bytes: list[bytes] | None, grammar_info_json: str | None = None):
-        """grammar_info_json: the grammars' tokenizer info, serialized (Grammars.info_json), which each constraint
-        carries to an engine in another process."""
+    def __init__(self, tokenizer, token_bytes: list[bytes] | None, grammars: Grammars | None = None):
+        """grammars: what compiled the requests' grammars, which makes their constraints (each ready to be sent to
+        an engine in another process)."""
         self.tokenizer = tokenizer.backend_tokenizer  # decoding, on the event loop
         self.logprobs = LogprobEntries(token_bytes) if token_bytes is not None else None
-        self.grammar_info_json = grammar_info_json
+        self.grammars = grammars
         # special tokens whose text the parsers read (decoding would drop them)
         self.kept_tokens = {token_id: added.content for token_id, added in
                             self.tokenizer.get_added_tokens_decoder().items()
@@ -46,7 +46,7 @@ class ChatReplies:
         choices = {}
         try:
             for index in range(plan.n):
-                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammar_info_json)
+                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammars)
                 choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
                 worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
                               constraint=choice.constraint, queue=queue,
@@ -95,6 +95,13 @@ class ChatReplies:
         return chunks
 
 
+def grammar_constraint(plan: OutputPlan, grammars: Grammars | None) -> GrammarConstraint | None:
+    """The choice's constraint, if its plan has a grammar; made by the grammars that compiled it when given."""
+    if plan.grammar is None:
+        return None
+    return grammars.constraint(plan.schema, plan.grammar) if grammars is not None else GrammarConstraint(plan.grammar)
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice i's sampling: a seeded request's choices draw differently, each reproducibly."""
     if index == 0 or params.seed is None:
@@ -104,10 +111,10 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 class Choice:
     def __init__(self, index: int, detokenizer: Detokenizer, plan: OutputPlan, logprobs: LogprobEntries | None,
-                 grammar_info_json: str | None = None):
+                 grammars: Grammars | None = None):
         self.index = index
         self.completion = Completion(detokenizer)
-        self.constraint = GrammarConstraint(plan.grammar, grammar_info_json) if plan.grammar is not None else None
+        self.constraint = grammar_constraint(plan, grammars)
         self.schema_field = plan.schema_field
         self.reasoning = ReasoningSplitter(plan.reasoning) if plan.reasoning is not None else None
         tools = plan.tools

@@ -3,9 +3,9 @@
 One Grammars per served model, made at start-up from its tokenizer and the model's vocabulary size (the LM
 head may have more rows than the tokenizer has tokens; xgrammar never allows those). Schemas compile in child
 processes within the operator's time budget (handler/grammar_compiler.py); what they compiled is kept here by
-schema, so a schema sent again costs a lookup. Each choice of a request gets its own GrammarConstraint (an
-xgrammar GrammarMatcher), the per-request object the engine fills token masks from and advances with each token
-it takes (engine/constraints.py).
+schema, with the JSON they sent it as (what a data-parallel engine's copy is built from), so a schema sent again
+costs a lookup. Each choice of a request gets its own GrammarConstraint (an xgrammar GrammarMatcher), the
+per-request object the engine fills token masks from and advances with each token it takes (engine/constraints.py).
 
 The grammars write compact JSON (", " and ": " as separators, no other whitespace), and strict mode allows
 no property a schema does not list: both narrow what a schema allows to outputs that still satisfy it, and
@@ -18,10 +18,11 @@ from collections import OrderedDict
 import xgrammar
 
 from daemon_protocol import RequestError
+from engine.sent_once import SentOnce
 from handler.grammar_compiler import CompileRefused, CompileTimeout, GrammarCompilerPool
 from handler.limits import RequestLimits
 
-CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse; the least recently used go first
+CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars (and their JSON) kept for reuse; the least recently used go first
 COMPILE_PROCESSES = 2  # grammars compiled at once
 
 
@@ -41,7 +42,7 @@ class Grammars:
                                                                 stop_token_ids=list(stop_token_ids) or None)
         self.token_bytes: list[bytes] = self.info.decoded_vocab  # each token's exact bytes
         self._pool: GrammarCompilerPool | None = None
-        self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[xgrammar.CompiledGrammar, str]] = OrderedDict()  # by schema, with JSON
         self._cache_bytes = 0
 
     def made_for(self, vocab_size: int, stop_token_ids: tuple[int, ...], max_grammar_bytes: int) -> bool:
@@ -54,23 +55,35 @@ class Grammars:
         or that takes longer than timeout seconds to compile is the request's error, naming field."""
         if schema in self._cache:
             self._cache.move_to_end(schema)
-            return self._cache[schema]
+            return self._cache[schema][0]
         try:
-            compiled = await self.start_compilers().compile(schema, timeout)
+            compiled, serialized = await self.start_compilers().compile(schema, timeout)
         except CompileRefused as exc:
             raise RequestError(f"{field}: {exc}", param=field) from None
         except CompileTimeout:
             raise RequestError(f"{field}: this JSON schema's grammar did not compile within {timeout:g} s (the "
                                "server's HFENDPOINT_GRAMMAR_COMPILE_TIMEOUT); simplify the schema",
                                param=field) from None
-        self._remember(schema, compiled)
+        self._remember(schema, compiled, serialized)
         return compiled
+
+    def constraint(self, schema: str, compiled: xgrammar.CompiledGrammar) -> "GrammarConstraint":
+        """A choice's constraint of the grammar compiled here for schema; while that grammar is kept, with the JSON
+        it came as, so that sending it to a data-parallel engine does not serialize it again for each request."""
+        kept = self._cache.get(schema)
+        grammar_json = kept[1] if kept is not None and kept[0] is compiled else None
+        return GrammarConstraint(compiled, self.shared_info, grammar_json)
 
     @functools.cached_property
     def info_json(self) -> str:
-        """The tokenizer info, serialized: for the compiling processes, and with each constraint that goes to a
-        data-parallel engine's process (GrammarConstraint)."""
+        """The tokenizer info, serialized, for the compiling processes."""
         return self.info.serialize_json()
+
+    @functools.cached_property
+    def shared_info(self) -> SentOnce:
+        """The serialized tokenizer info as each constraint carries it to a data-parallel engine's process
+        (GrammarConstraint): down each engine's pipe once."""
+        return SentOnce(self.info_json)
 
     def start_compilers(self) -> GrammarCompilerPool:
         """The compiling processes, started on first use (the handler starts them with the service)."""
@@ -79,33 +92,41 @@ class Grammars:
                                              self.max_grammar_bytes)
         return self._pool
 
-    def _deserialize(self, serialized: str) -> xgrammar.CompiledGrammar:
-        return xgrammar.CompiledGrammar.deserialize_json(serialized, self.info)
+    def _deserialize(self, serialized: str) -> tuple[xgrammar.CompiledGrammar, str]:
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self.info), serialized
 
-    def _remember(self, schema: str, compiled: xgrammar.CompiledGrammar) -> None:
-        self._cache[schema] = compiled
-        self._cache_bytes += compiled.memory_size_bytes
+    def _remember(self, schema: str, compiled: xgrammar.CompiledGrammar, serialized: str) -> None:
+        self._cache[schema] = compiled, serialized
+        self._cache_bytes += kept_bytes(compiled, serialized)
         while self._cache_bytes > CACHE_LIMIT_BYTES and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
-            self._cache_bytes -= dropped.memory_size_bytes
+            self._cache_bytes -= kept_bytes(*dropped)
+
+
+def kept_bytes(compiled: xgrammar.CompiledGrammar, serialized: str) -> int:
+    return compiled.memory_size_bytes + len(serialized)
 
 
 class GrammarConstraint:
-    """One choice's grammar as the engine drives it (engine/constraints.py). It pickles as its grammar's JSON and
-    its tokenizer info's (info_json, Grammars.info_json, saves serializing it for each request), for an engine in
-    another process (engine/data_parallel.py), which builds a matcher of its own from them."""
+    """One choice's grammar as the engine drives it (engine/constraints.py). It pickles, for an engine in another
+    process (engine/data_parallel.py), as its grammar's JSON (which leaves the tokenizer info out) and its tokenizer
+    info's as a SentOnce (Grammars.shared_info), which crosses each engine's pipe once; the engine builds a matcher
+    of its own from them."""
 
-    __slots__ = ("matcher", "broken", "compiled", "info_json")
+    __slots__ = ("matcher", "broken", "compiled", "info", "grammar_json")
     batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, info_json: str | None = None):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, info: SentOnce | None = None,
+                 grammar_json: str | None = None):
+        """info: the compiled grammar's tokenizer info, serialized; grammar_json: the grammar, serialized; each
+        made from it where not given."""
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.broken = False  # a token it did not allow came: its grammar allowed none (a dead end)
-        self.compiled, self.info_json = compiled, info_json
+        self.compiled, self.info, self.grammar_json = compiled, info, grammar_json
 
     def __reduce__(self):
-        info_json = self.info_json or self.compiled.tokenizer_info.serialize_json()
-        return rebuilt_constraint, (self.compiled.serialize_json(), info_json)
+        info = self.info or SentOnce(self.compiled.tokenizer_info.serialize_json())
+        return rebuilt_constraint, (self.grammar_json or self.compiled.serialize_json(), info)
 
     def accept_token(self, token_id: int) -> bool:
         accepted = self.matcher.accept_token(token_id)
@@ -126,11 +147,10 @@ class GrammarConstraint:
 
 
 @functools.lru_cache(maxsize=1)
-def _tokenizer_info(info_json: str) -> xgrammar.TokenizerInfo:
-    return xgrammar.TokenizerInfo.deserialize_json(info_json)
+def _tokenizer_info(info: SentOnce) -> xgrammar.TokenizerInfo:
+    return xgrammar.TokenizerInfo.deserialize_json(info.value)
 
 
-def rebuilt_constraint(grammar_json: str, info_json: str) -> GrammarConstraint:
+def rebuilt_constraint(grammar_json: str, info: SentOnce) -> GrammarConstraint:
     """A pickled GrammarConstraint, in the process that unpickles it (the tokenizer info deserialized once)."""
-    info = _tokenizer_info(info_json)
-    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, info), info_json)
+    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, _tokenizer_info(info)), info)

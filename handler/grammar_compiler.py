@@ -44,8 +44,8 @@ class CompileJob:
 
 class GrammarCompilerPool:
     def __init__(self, tokenizer_info_json: str, deserialize, processes: int, max_grammar_bytes: int):
-        """deserialize(serialized grammar) -> the CompiledGrammar; runs on the pool's threads. A grammar larger
-        than max_grammar_bytes is refused."""
+        """deserialize(serialized grammar) -> what compile returns (handler/grammar.py: the CompiledGrammar and
+        its JSON); runs on the pool's threads. A grammar larger than max_grammar_bytes is refused."""
         self._info = tokenizer_info_json
         self._max_grammar_bytes = max_grammar_bytes
         self._deserialize = deserialize
@@ -58,8 +58,8 @@ class GrammarCompilerPool:
             threading.Thread(target=self._serve, name=f"grammar-{index}", daemon=True).start()
 
     async def compile(self, schema: str, timeout: float):
-        """The CompiledGrammar of a JSON schema (text). Raises CompileTimeout, CompileRefused; a cancelled
-        caller's compile is abandoned."""
+        """deserialize's result for the grammar of a JSON schema (text). Raises CompileTimeout, CompileRefused; a
+        cancelled caller's compile is abandoned."""
         loop = asyncio.get_running_loop()
         job = CompileJob(schema, time.monotonic() + timeout, loop, loop.create_future())
         self._jobs.put(job)

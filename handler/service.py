@@ -113,7 +113,7 @@ class Service:
                                     trust_request_chat_template=settings.trust_request_chat_template, vision=vision,
                                     limits=settings.limits)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None,
-                                   grammars.info_json if grammars and grammars.can_constrain else None)
+                                   grammars if grammars and grammars.can_constrain else None)
         self._encoder_state = threading.local()
         self.encoder = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="encoder",
                                           initializer=self._start_encoder_thread)

@@ -1,15 +1,17 @@
 """Data parallelism (engine/data_parallel.py): two engines, each a spawned process, answering concurrent requests as
-transformers does, routed by prefix and load; constrained requests and embeddings on them; GPU assignment; a lost
-engine."""
+transformers does, routed by prefix and load; constrained requests and embeddings on them, the grammars' tokenizer
+info sent down each engine's pipe once (engine/sent_once.py); GPU assignment; a lost engine."""
 import asyncio
+import pickle
 
 import pytest
 import torch
 import xgrammar
 from test_constraints import SCHEMA, STOP, VOCAB, masked_greedy, tiny_vocabulary
 
-from engine import EngineConfig, SamplingParams, Worker
+from engine import EngineConfig, SamplingParams, Worker, sent_once
 from engine.data_parallel import DataParallelWorker, _InFlight, engine_devices, follow_constraint
+from engine.sent_once import PipePickler, SentOnce
 from engine.worker import RequestOutput
 from handler.grammar import GrammarConstraint
 
@@ -133,32 +135,85 @@ def test_data_parallel_engines_of_tensor_parallel_ranks(tiny_llama, prompts_of_l
     assert [tokens for tokens, _ in results] == [tiny_llama.greedy(prompt, NEW) for prompt in prompts]
 
 
+class RecordingPipe:
+    """An engine's pipe that keeps the size of each message written to it as bytes (all but its stop message)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.sizes = pipe, []
+
+    def send_bytes(self, data) -> None:
+        self.sizes.append(len(data))
+        self.pipe.send_bytes(data)
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+
 @pytest.mark.slow  # two engine processes and a third engine
 def test_constrained_requests_and_embeddings_run_in_the_engine_processes(two_engines, tiny_llama):
-    """A constraint travels to its engine's process as its grammar (the handler's copy stays here), and decodes there
-    as transformers does with the grammar's mask applied by hand; embeddings come from engine 0's process."""
+    """A constraint travels to its engine's process as its grammar (the handler's copy stays here), the tokenizer
+    info with the first one only, and decodes there as transformers does with the grammar's mask applied by hand;
+    embeddings come from engine 0's process."""
     worker = two_engines
     info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[STOP])
     grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
-    prompts = [[5, 17, 40, 3, 99, 12], [8, 2, 77]]
+    shared_info = SentOnce(info.serialize_json())
+    prompts = [[5, 17, 40, 3, 99, 12], [8, 2, 77], [8, 2, 78], [5, 17, 41, 3, 99, 12]]  # lengths alike two by two
     params = SamplingParams(temperature=0, max_tokens=NEW_CONSTRAINED, stop_token_ids=[STOP])
+    for engine in worker.engines:
+        engine.pipe = RecordingPipe(engine.pipe)
 
     async def main():
-        queues = [worker.submit(i, prompt, params, GrammarConstraint(grammar)) for i, prompt in enumerate(prompts)]
-        engines = {worker.engine_of(i) for i in range(len(prompts))}
+        queues = [worker.submit(i, prompt, params, GrammarConstraint(grammar, shared_info))
+                  for i, prompt in enumerate(prompts)]
+        engines = [worker.engine_of(i) for i in range(len(prompts))]
         vectors = await worker.embed(prompts)
         return engines, await asyncio.gather(*(collect(q) for q in queues)), vectors
 
     engines, results, vectors = asyncio.run(main())
-    assert engines == {0, 1}
+    assert sorted(engines) == [0, 0, 1, 1]
     assert [tokens for tokens, _ in results] == [masked_greedy(tiny_llama, p, grammar, NEW_CONSTRAINED)
                                                  for p in prompts]
+    for engine in worker.engines:
+        first, later = engine.pipe.sizes[:2]  # its two requests' (engine 0 then embeds)
+        assert first - later >= len(shared_info.value)  # the info went with the first request only
     one = Worker(EngineConfig(tiny_llama.path, device="cpu"))
     try:
         expected = asyncio.run(one.embed(prompts))
     finally:
         one.shutdown()
     assert torch.allclose(torch.tensor(vectors), torch.tensor(expected), atol=1e-6)
+
+
+def test_a_grammars_tokenizer_info_goes_down_each_pipe_once(monkeypatch):
+    """A constrained request's message carries its grammar, and the tokenizer info only the first time down a
+    pipe; read in order at the other end, a later one rebuilds a constraint that follows the grammar."""
+    info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[STOP])
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    shared_info = SentOnce(info.serialize_json())
+    params = SamplingParams(temperature=0, max_tokens=NEW_CONSTRAINED, stop_token_ids=[STOP])
+
+    def message(pipe: PipePickler, request_id: int) -> bytes:
+        constraint = GrammarConstraint(grammar, shared_info)
+        return bytes(pipe.dumps(("submit", (request_id, [5, 17, 40], params, constraint, None))))
+
+    engine_0, engine_1 = PipePickler(), PipePickler()
+    first, later, another = message(engine_0, 1), message(engine_0, 2), message(engine_1, 3)
+    assert len(first) - len(later) >= len(shared_info.value)
+    assert len(another) == len(first)  # another engine's pipe gets it in full
+    assert len(message(engine_0, 4)) == len(later)
+
+    monkeypatch.setattr(sent_once, "_received", {})  # the other end of engine 0's pipe, before its first message
+    with pytest.raises(RuntimeError, match="referred to before it came in full"):
+        pickle.loads(later)
+    pickle.loads(first)
+    _, (_, _, _, rebuilt, _) = pickle.loads(later)
+    assert rebuilt.info is sent_once._received[shared_info.digest]
+    vocabulary = tiny_vocabulary()
+    text = '{"name": "ab", "tags": []}'
+    assert all(rebuilt.accept_token(vocabulary.index(c)) for c in text) and rebuilt.accept_token(STOP)
+    assert rebuilt.is_terminated()
+    assert not rebuilt.broken
 
 
 def test_a_failed_constrained_request_tells_the_handlers_constraint_whether_a_token_broke_it():

@@ -29,12 +29,12 @@ def grammars(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def replies(smollm2_tokenizer, grammars):
-    return ChatReplies(smollm2_tokenizer, grammars.token_bytes)
+    return ChatReplies(smollm2_tokenizer, grammars.token_bytes, grammars)
 
 
 def choice(replies, plan, index=0, stop=()):
     request = type("Request", (), {"prompt_token_ids": [1, 2, 3], "stop": stop})
-    return Choice(index, replies._detokenizer(request), plan, replies.logprobs)
+    return Choice(index, replies._detokenizer(request), plan, replies.logprobs, replies.grammars)
 
 
 def run(choice, token_outputs):
@@ -107,3 +107,11 @@ def test_a_grammar_that_dead_ends_is_the_schemas_fault(smollm2_tokenizer, replie
     with pytest.raises(RequestError, match="response_format: the JSON schema's grammar reached a point") as raised:
         one.consume([failed])
     assert raised.value.param == "response_format" and raised.value.status == 400
+
+
+def test_a_choices_constraint_carries_its_kept_grammars_json(replies, grammars):
+    """What goes to a data-parallel engine: the JSON the grammar was compiled to, kept with it (handler/grammar.py)."""
+    schema = '{"type": "string"}'
+    grammar = asyncio.run(grammars.compile_json_schema(schema, "response_format", 60.0))
+    one = choice(replies, OutputPlan(schema=schema, schema_field="response_format", grammar=grammar))
+    assert one.constraint.grammar_json == grammar.serialize_json()

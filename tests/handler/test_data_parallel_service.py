@@ -1,6 +1,6 @@
 """`python -m handler` with two data-parallel engines (HFENDPOINT_DATA_PARALLEL_SIZE=2) serving SmolLM2 on CPU
-behind our front: concurrent requests answered as the one-engine handler answers them, structured outputs
-(which run on the first engine), and each engine's stats."""
+behind our front: concurrent requests, plain and structured, answered as the one-engine handler answers them, and
+each engine's stats."""
 import asyncio
 import json
 import sys
@@ -44,9 +44,14 @@ def test_two_engines_answer_concurrent_requests_as_one_engine_does(two_engine_se
     assert stats["num_total_blocks"] == sum(engine["num_total_blocks"] for engine in stats["engines"]) > 0
 
 
-def test_structured_outputs_run_under_data_parallelism(two_engine_service):
+def test_structured_outputs_under_data_parallelism_answer_as_one_engine_does(two_engine_service, smollm2_service):
+    """Constrained requests on both engines (the tokenizer info goes to each engine's process with its first one)
+    answer as the one-engine handler does."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    [text] = asyncio.run(answers(two_engine_service.url, ["Which city is the capital of France? Answer in JSON."],
-                                 max_tokens=40, response_format={"type": "json_schema",
-                                                  "json_schema": {"name": "city", "schema": schema}}))
-    assert set(json.loads(text)) == {"city"}
+    prompts = ["Which city is the capital of France? Answer in JSON.", "Name a big city in Japan. Answer in JSON.",
+               "Which city is the capital of Italy? Answer in JSON.", "Name a city in Spain. Answer in JSON."]
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    expected = asyncio.run(answers(smollm2_service.url, prompts, max_tokens=40, response_format=response_format))
+    texts = asyncio.run(answers(two_engine_service.url, prompts, max_tokens=40, response_format=response_format))
+    assert texts == expected
+    assert all(set(json.loads(text)) == {"city"} for text in texts)

@@ -3,9 +3,11 @@ schema, and xgrammar's warnings logged once per kind."""
 import asyncio
 import json
 import logging
+import pickle
 import time
 
 import pytest
+import xgrammar
 
 from handler.chat import RequestError
 from handler.grammar import Grammars
@@ -67,6 +69,21 @@ def test_a_cancelled_request_abandons_its_compile(grammars):
 def test_compiled_grammars_are_kept_by_schema(grammars):
     first = compile_schema(grammars, CITY)
     assert compile_schema(grammars, CITY) is first
+
+
+def test_a_kept_grammars_constraint_travels_as_the_json_it_was_compiled_to(grammars, monkeypatch):
+    """Pickled for a data-parallel engine, a constraint of a kept grammar carries the JSON the compiler sent (not
+    serialized again for each request), from which the other side rebuilds a constraint of the same grammar."""
+    compiled = compile_schema(grammars, CITY)
+
+    def serialize_json(self):
+        raise AssertionError("a kept grammar was serialized again")
+
+    monkeypatch.setattr(xgrammar.CompiledGrammar, "serialize_json", serialize_json)
+    rebuilt = pickle.loads(pickle.dumps(grammars.constraint(CITY, compiled)))
+    assert rebuilt.matcher.accept_string('{"city": "Paris"}') and rebuilt.accept_token(grammars.stop_token_ids[0])
+    assert rebuilt.is_terminated()
+    assert not pickle.loads(pickle.dumps(grammars.constraint(CITY, compiled))).matcher.accept_string('{"town": "')
 
 
 def test_xgrammar_warnings_are_logged_once_per_kind_with_a_count(grammars, caplog):
