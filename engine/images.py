@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import xxhash
 from torch import Tensor
 
@@ -102,13 +103,33 @@ class StepImages:
     bidirectional_images: Gemma 3, not Qwen2.5-VL), each row's span of key positions (AttentionMetadata.image_spans)."""
 
     rows: Tensor
-    embeds: Tensor
+    embeds: Tensor | None
     spans: Tensor | None
+    embeds_shape: tuple[int, int] | None = None  # where embeds travel apart (the other tensor-parallel ranks)
+    embeds_dtype: torch.dtype | None = None
+
+    def __reduce__(self):
+        """As sent to the other tensor-parallel ranks: rows and spans on the host, the soft tokens' shape alone
+        (rank 0 broadcasts them within the step: ModelRunner.execute)."""
+        spans = self.spans.cpu() if self.spans is not None else None
+        return StepImages, (self.rows.cpu(), None, spans, tuple(self.embeds.shape), self.embeds.dtype)
+
+    def on(self, device: torch.device) -> "StepImages":
+        """These rows on device, with the soft tokens: rank 0's own, or received from rank 0 (a collective:
+        every rank calls it in the same step)."""
+        embeds = self.embeds
+        if embeds is None:
+            embeds = torch.empty(self.embeds_shape, dtype=self.embeds_dtype, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(embeds, src=0)
+        spans = self.spans.to(device) if self.spans is not None else None
+        return StepImages(self.rows.to(device), embeds, spans)
 
 
 def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> StepImages | None:
-    """The image rows of a step whose sequences compute num_tokens tokens from starts; runs the encoder, in one
-    batch, for the images that first appear. None when the step has no image token."""
+    """The image rows of a step whose sequences compute num_tokens tokens from starts (rows and spans on the host,
+    StepImages.on moves them); runs the encoder, in one batch, for the images that first appear. None when the
+    step has no image token."""
     parts = []  # (image, first row of the step, first token of the image, count)
     row = 0
     for seq, start, n in zip(seqs, starts, num_tokens):
@@ -125,13 +146,12 @@ def step_images(seqs, starts: list[int], num_tokens: list[int], encoder) -> Step
     encode_images(list(dict.fromkeys(image for image, *_ in parts if image.embeds is None)), encoder)
     rows = torch.cat([torch.arange(first, first + count) for _, first, _, count in parts])
     embeds = torch.cat([image.embeds[skip:skip + count] for image, _, skip, count in parts])
-    device = embeds.device
     if not encoder.bidirectional_images:
-        return StepImages(rows.to(device), embeds, None)
+        return StepImages(rows, embeds, None)
     spans = torch.zeros(row, 2, dtype=torch.int64)
     for image, first, _, count in parts:
         spans[first:first + count] = torch.tensor([image.offset, image.end])
-    return StepImages(rows.to(device), embeds, spans.to(device))
+    return StepImages(rows, embeds, spans)
 
 
 @torch.inference_mode()

@@ -323,22 +323,20 @@ class ModelRunner:
         return id_buffer, logprob_buffer if logprobs is not None else None, ready
 
     def _step_images(self, seqs: list[Sequence], num_tokens: list[int], ahead: list[int] | None
-                     ) -> tuple[StepImages | None, Tensor | None]:
+                     ) -> tuple[StepImages | None, np.ndarray | None]:
         """The soft tokens of the images a prefill step computes (their encoder runs now, once per image), and
         an M-RoPE model's [3, T] positions for a step that computes part of a prompt with images (else None)."""
         starts = [seq.num_computed_tokens + (ahead[i] if ahead else 0) for i, seq in enumerate(seqs)]
         rope_positions = step_rope_positions(seqs, starts, num_tokens) if self.model.uses_mrope else None
-        if rope_positions is not None:
-            rope_positions = torch.from_numpy(rope_positions).to(self.device)
         return step_images(seqs, starts, num_tokens, self.vision), rope_positions
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep, images: StepImages | None = None, prompt_rows: PromptLogitRows | None = None,
-                rope_positions: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+                rope_positions: np.ndarray | None = None) -> tuple[Tensor | None, Tensor | None]:
         """The device side of a step, run by every tensor-parallel rank: upload, forward (or graph replay), the
         logits of the rows that sample and the prompt logprobs of prompt_rows (on rank 0; None elsewhere, when no
-        row samples and when no request asks). images: the step's image rows, rope_positions its M-RoPE
-        positions (only a single-rank engine has an image encoder: such steps run eagerly)."""
+        row samples and when no request asks). images: the step's image rows (rank 0 encodes them and sends the
+        soft tokens), rope_positions its M-RoPE positions [3, T] on the host; such steps run eagerly."""
         if not self.is_driver:
             self.buffers.restage(staged)
         step = self.buffers.upload(staged)
@@ -347,9 +345,11 @@ class ModelRunner:
         if staged.graph:
             hidden = self.graphs.replay(staged.graph)
         elif images is not None or rope_positions is not None:
+            images = images.on(self.device) if images is not None else None
             step.meta.image_spans = images.spans if images is not None else None  # spans: Gemma 3's rule
+            positions = torch.from_numpy(rope_positions).to(self.device) if rope_positions is not None else None
             hidden = self.model(step.input_ids, step.positions, step.meta,
-                                (images.rows, images.embeds) if images is not None else None, rope_positions)
+                                (images.rows, images.embeds) if images is not None else None, positions)
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
         logits = self.model.compute_logits(hidden[step.logits_indices]) if staged.sample_rows else None

@@ -105,14 +105,14 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, cache_
 
 def load_vision(model_dir: str, hf_config, architecture: str, dtype: torch.dtype, device: torch.device
                 ) -> nn.Module | None:
-    """A multimodal checkpoint's image encoder (None under tensor parallelism, whose other ranks would have to
-    follow each image step: such an engine serves the text decoder alone and refuses images)."""
+    """A multimodal checkpoint's image encoder, whole, on tensor-parallel rank 0 only (None on the other ranks):
+    rank 0 encodes a step's images and sends their soft tokens (engine/images.py's StepImages.on)."""
     import importlib
 
     from models.loader import iterate_safetensors, load_weights
-    from models.parallel_layers import tp_size
+    from models.parallel_layers import tp_rank
 
-    if tp_size() > 1:
+    if tp_rank() > 0:
         return None
     module_name, class_name = VISION_ARCHITECTURES[architecture]
     module = importlib.import_module(module_name)

@@ -14,8 +14,10 @@ import time
 
 import pytest
 import torch
+from vision_models import IMAGE_SIZE, assert_same, generated, image_prompt, save_gemma3_vision
 
 from engine import LLM, EngineConfig, SamplingParams, Worker
+from engine.images import PromptImage
 from tp_testing import alive, prompts
 
 pytestmark = pytest.mark.slow  # tensor-parallel ranks in processes of their own
@@ -195,3 +197,28 @@ def test_a_rank_that_dies_fails_the_requests_and_is_reported(tp_model_path):
     assert output.error == "tensor-parallel rank 1 exited (exit code -9): the engine cannot go on"
     assert reasons == [output.error]
     assert not torch.distributed.is_initialized()
+
+
+def test_two_ranks_read_images_as_one_rank_does(tmp_path):
+    """Rank 0 encodes each image and sends its soft tokens to rank 1 within the step (Gemma 3: bidirectional image
+    rows, a window): the same tokens and log-probabilities as one rank, and another image changes them."""
+    save_gemma3_vision(tmp_path)
+    pixels = torch.randn(3, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(2))
+    first, second = prompts([40, 34], seed=3, vocab=380)
+    batch = [image_prompt(first, 10), image_prompt(second, 3, 15)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+
+    def images(*rows):  # an engine drops each image's pixels once encoded
+        return [[PromptImage.of_pixels(pixels[i]) for i in row] for row in rows]
+
+    one = LLM(str(tmp_path), device="cpu", dtype="float32")
+    expected = generated(one, batch, images([0], [1, 2]), params)
+    swapped = generated(one, batch[:1], images([1]), params)
+    two = LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        assert two.core.runner.vision is not None
+        for got, want in zip(generated(two, batch, images([0], [1, 2]), params), expected):
+            assert_same(got, want)
+        assert swapped[0] != expected[0]
+    finally:
+        two.shutdown()
