@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--new", type=int, default=128, help="tokens each of them generates")
     ap.add_argument("--repeats", type=int, default=5, help="time-to-first-token runs (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="the engine's (its encoder runs on rank 0)")
     args = ap.parse_args()
     seed(0)
     torch.manual_seed(0)
@@ -180,7 +181,7 @@ def main():
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     llm = LLM(path, max_num_batched_tokens=args.chunk_tokens, gpu_memory_utilization=0.5, device=args.device,
-              max_model_len=len(tokens) + args.new + 1)
+              max_model_len=len(tokens) + args.new + 1, tensor_parallel_size=args.tensor_parallel_size)
     overlap = llm.core.overlap  # engine_logits turns it off
     ours, _ = engine_logits(llm, tokens, len(prompt), images=[prompt_image(config, pixels, size)])
     llm.core.overlap = overlap
