@@ -53,11 +53,14 @@ class StagedStep:
     host: tuple[np.ndarray, np.ndarray, np.ndarray]  # staged longs, cu_seqlens|seq_lens, block-table columns in use
 
 
-def longest_first(seq_lens: np.ndarray, num_rows: int) -> np.ndarray:
-    """The decode rows (the first len(seq_lens)) by decreasing context length, then the rest in order. The
-    decode kernel starts its programs in this order, so the longest sequences do not run on alone at the end
-    of the step (largest work first)."""
-    return np.concatenate((np.argsort(-seq_lens, kind="stable"), np.arange(len(seq_lens), num_rows)))
+def longest_first(request_lens: np.ndarray, num_rows: int) -> np.ndarray:
+    """The decode rows (the first len(request_lens)) by decreasing context length of their request, then the rest
+    in order. The decode kernel starts its programs in this order, so the longest sequences do not run on alone at
+    the end of the step (largest work first). A request's verification rows (one per token, staged one after the
+    other) share its length and so stay together: their programs start side by side and read the same keys at the
+    same time, so that L2 can serve all but the first read. Ordered by each row's own length, a request's rows
+    started a batch apart, and a batch whose keys exceed L2 read them from memory once per row."""
+    return np.concatenate((np.argsort(-request_lens, kind="stable"), np.arange(len(request_lens), num_rows)))
 
 
 def verified_rows(ends: np.ndarray, drafted: np.ndarray) -> np.ndarray:
@@ -221,7 +224,7 @@ class StepBuffers:
         is_decode = graph.is_decode if graph else bool((row_counts == 1).all())
         order_at = lens_at + aligned(num_rows)
         if is_decode:
-            ints[order_at:order_at + num_rows] = longest_first(attended, num_rows)
+            ints[order_at:order_at + num_rows] = longest_first(np.repeat(seq_lens, counts), num_rows)
         return StagedStep(
             size, num_rows, num_logits,
             max_seqlen_q=size if graph and not graph.is_decode else int(row_counts.max(initial=1)),

@@ -1,11 +1,14 @@
 """The inputs CUDA graphs replay, checked on the CPU: every step is staged padded to the captured shape the
 GPU would replay (decode batch sizes, prefill token counts), and a stand-in graph runs the model eagerly on
 exactly those padded device buffers. Greedy outputs must still equal transformers' token for token."""
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.cuda_graphs import PREFILL_GRAPH_MAX_TOKENS, CudaGraphs, GraphShape
+from engine.sequence import Sequence
+from engine.step_inputs import StepBuffers
 from kernels import AttentionMetadata
 
 NEW = 24
@@ -92,6 +95,30 @@ def test_graph_choice():
     assert graphs.shape_for([1] * 9) == GraphShape(16, 16, is_decode=True)
     offline = CudaGraphs(EngineConfig(model="-", device="cpu", max_num_seqs=32, max_num_batched_tokens=16384))
     assert offline.prefill_tokens[-4:] == [3072, 4096, 6144, PREFILL_GRAPH_MAX_TOKENS] == [3072, 4096, 6144, 8192]
+
+
+@pytest.mark.parametrize("graph", [None, GraphShape(16, 16, is_decode=True, verifies=True)])
+def test_a_requests_verification_rows_start_side_by_side_longest_request_first(graph):
+    """A verification step staged as decode rows orders its rows by their request's context, longest first, a
+    request's rows together (they read the same keys: started side by side, their reads can share L2), then its
+    padding rows as they are."""
+    config = EngineConfig(model="-", device="cpu", max_num_seqs=16, speculative="ngram:k=3")
+    buffers = StepBuffers(config, 64, torch.device("cpu"))
+    seqs = []
+    for i, (context, drafts) in enumerate([(9, 2), (10, 2), (10, 3), (4, 1), (10, 2)]):
+        seq = Sequence(i, list(range(context)), SamplingParams(), 64)
+        seq.num_computed_tokens, seq.draft_token_ids, seq.block_table = context - 1, [1] * drafts, [i]
+        seqs.append(seq)
+    num_tokens = [1 + len(seq.draft_token_ids) for seq in seqs]
+    assert buffers.verifies_as_rows(seqs, num_tokens)
+    step = buffers.upload(buffers.stage(seqs, num_tokens, graph, as_rows=True))
+    firsts = [sum(num_tokens[:i]) for i in range(len(seqs))]
+    by_length = sorted(range(len(seqs)), key=lambda i: -(len(seqs[i]) + len(seqs[i].draft_token_ids)))
+    rows = sum(num_tokens)
+    expected = [firsts[i] + j for i in by_length for j in range(num_tokens[i])]
+    assert step.meta.seq_order.tolist() == expected + list(range(rows, step.meta.seq_lens.shape[0]))
+    assert step.meta.seq_lens[:rows].tolist() == [seq.num_computed_tokens + 1 + j
+                                                  for seq, n in zip(seqs, num_tokens) for j in range(n)]
 
 
 def test_staged_arrays_start_16_aligned(tiny_llama, prompts_of_lengths):
