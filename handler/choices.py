@@ -13,10 +13,10 @@ from daemon_protocol import RequestError
 from engine import SamplingParams
 from handler.detokenizer import Detokenizer
 from handler.grammar import GrammarConstraint, Grammars
-from handler.inbox import Inbox
 from handler.logprobs import LogprobEntries
 from handler.output_plan import OutputPlan
 from handler.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
+from handler.reply_stream import ReplyStream
 from handler.tool_calls import FORMAT_MARKERS, Parsed, ToolCallParser
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * stride (mod 2**64)
@@ -38,29 +38,34 @@ class ChatReplies:
                             if added.special and added.content in MARKERS}
         self.generated_tokens = 0  # by every request so far, for the engine line (handler/logs.py)
 
-    async def stream(self, worker, request, request_id: str, log):
+    async def stream(self, worker, request, request_id: str, log, sink=None):
         """Submits the request's choices to the engine and yields its reply chunks; log (handler/logs.py's
-        RequestLog) follows its first token and its completion tokens."""
+        RequestLog) follows its first token and its completion tokens. sink: the request's daemon_protocol
+        ReplySink, which the engine's step callback sends chunks to while it can (handler/reply_stream.py): those
+        chunks are not yielded."""
         plan = request.output or OutputPlan()
-        inbox = Inbox()  # every choice's outputs
-        choices = {}
+        choices = {(request_id if plan.n == 1 else f"{request_id}/{index}"):
+                   Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammars)
+                   for index in range(plan.n)}
+        generating = dict(choices)
+        num_prompt_tokens = len(request.prompt_token_ids)
+
+        def advance(outputs: list) -> list[dict]:
+            chunks = self._chunks(outputs, choices, plan.n, num_prompt_tokens)
+            self._count_tokens(choices, log)
+            if chunks and ("choice_finish_reason" in chunks[-1] or "finish_reason" in chunks[-1]):
+                self._end_finished(worker, generating)  # the chunks of choices that end come last
+            return chunks
+
+        replies = ReplyStream(advance, sink)  # every choice's outputs
         try:
-            for index in range(plan.n):
-                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammars)
-                choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
-                worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
-                              constraint=choice.constraint, queue=inbox,
-                              shares_prompt_with=f"{request_id}/0" if index else None, images=request.images)
-                choices[choice_id] = choice
-            generating = dict(choices)
-            num_prompt_tokens = len(request.prompt_token_ids)
+            for choice_id, choice in choices.items():
+                worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, choice.index),
+                              constraint=choice.constraint, queue=replies,
+                              shares_prompt_with=f"{request_id}/0" if choice.index else None, images=request.images)
             while generating:
-                chunks = self._chunks(await inbox.take(), choices, plan.n, num_prompt_tokens)
-                self._count_tokens(choices, log)
-                for chunk in chunks:
+                for chunk in advance(await replies.take()):
                     yield chunk
-                if chunks and ("choice_finish_reason" in chunks[-1] or "finish_reason" in chunks[-1]):
-                    self._end_finished(worker, generating)  # the chunks of choices that end come last
         finally:
             for choice_id, choice in choices.items():
                 if not choice.completion.engine_finished:  # cancelled or disconnected (aborting twice is harmless)

@@ -21,7 +21,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from daemon_protocol import ReplyError, RequestError
+from daemon_protocol import ReplyError, RequestError, reply_sink
 from engine import PromptRejected, Worker
 from engine.embedding import check_inputs
 from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults
@@ -150,7 +150,7 @@ class Service:
             request = await self.with_grammar(request)
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
-            async for chunk in self.replies.stream(self.worker, request, request_id, log):
+            async for chunk in self.replies.stream(self.worker, request, request_id, log, reply_sink()):
                 yield chunk
 
     async def completions(self, data):
