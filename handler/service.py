@@ -2,7 +2,8 @@
 
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
 the request's error reply (RequestError: 400 naming the field; EngineUnavailable: 503). Chat runs on the
-engine Worker through a per-request queue of outputs. Each request ends with an access line (handler/logs.py).
+engine Worker; its chunks go out from the engine step's callback (handler/reply_stream.py). Each request ends
+with an access line (handler/logs.py).
 Encoding (chat templates, tokenizing) runs on a small pool of threads, each with its own copy of the tokenizer,
 so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
 the requests behind it; a request's images are fetched on the event loop first, then decoded and preprocessed
