@@ -14,7 +14,9 @@ A handler refuses a request by raising RequestError: its error reply has status 
 from .errors import ReplyError, RequestError
 from .log import error
 from .registry import Registry, handler
+from .reply_sink import ReplySink, reply_sink
 from .server import run, serve
 from .transports import TransportError
 
-__all__ = ["Registry", "ReplyError", "RequestError", "TransportError", "error", "handler", "run", "serve"]
+__all__ = ["Registry", "ReplyError", "ReplySink", "RequestError", "TransportError", "error", "handler", "reply_sink",
+           "run", "serve"]

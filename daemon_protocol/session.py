@@ -17,6 +17,7 @@ from .errors import error_fields, error_message, error_status
 from .length_guard import LengthGuard, unpacker_limits
 from .log import RepeatedProblems, error
 from .registry import COROUTINE, STREAM, Registry
+from .reply_sink import ReplySink, attach
 from .writer import ReplyWriter, data_prefix
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024   # the unpacker refuses (as corrupt) a single object above this
@@ -140,6 +141,8 @@ class Session(asyncio.Protocol):
         task = asyncio.current_task()
         writer = self._writer
         prefix = data_prefix(request_id)
+        sink = ReplySink(writer, prefix, task)
+        attach(sink)  # in this task's own context: its handler's reply_sink()
         try:
             stream = fn(data)
         except Exception as exc:
@@ -154,7 +157,7 @@ class Session(asyncio.Protocol):
                 sent = True
                 if writer.paused:
                     await writer.wait_writable()
-            if not sent and not task.cancelling():
+            if not sent and not sink.sent and not task.cancelling():
                 writer.send_error(request_id, f"handler '{name}' finished without sending a reply")
         except asyncio.CancelledError:
             pass

@@ -7,7 +7,6 @@ parser; logprobs go along per token. A chunk carries one choice's additions. Wit
 carries `finish_reason` (with `usage`, counting the prompt once and every choice's tokens), as the protocol
 wants: a daemon reads chunks up to the first finish_reason.
 """
-import asyncio
 from dataclasses import replace
 
 from daemon_protocol import RequestError
@@ -17,6 +16,7 @@ from handler.grammar import GrammarConstraint, Grammars
 from handler.logprobs import LogprobEntries
 from handler.output_plan import OutputPlan
 from handler.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
+from handler.reply_stream import ReplyStream
 from handler.tool_calls import FORMAT_MARKERS, Parsed, ToolCallParser
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * stride (mod 2**64)
@@ -38,38 +38,54 @@ class ChatReplies:
                             if added.special and added.content in MARKERS}
         self.generated_tokens = 0  # by every request so far, for the engine line (handler/logs.py)
 
-    async def stream(self, worker, request, request_id: str, log):
+    async def stream(self, worker, request, request_id: str, log, sink=None):
         """Submits the request's choices to the engine and yields its reply chunks; log (handler/logs.py's
-        RequestLog) follows its first token and its completion tokens."""
+        RequestLog) follows its first token and its completion tokens. sink: the request's daemon_protocol
+        ReplySink, which the engine's step callback sends chunks to while it can (handler/reply_stream.py): those
+        chunks are not yielded."""
         plan = request.output or OutputPlan()
-        queue = asyncio.Queue()  # every choice's outputs
-        choices = {}
+        choices = {(request_id if plan.n == 1 else f"{request_id}/{index}"):
+                   Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammars)
+                   for index in range(plan.n)}
+        generating = dict(choices)
+        num_prompt_tokens = len(request.prompt_token_ids)
+
+        def advance(outputs: list) -> list[dict]:
+            chunks = self._chunks(outputs, choices, plan.n, num_prompt_tokens)
+            self._count_tokens(choices, log)
+            if chunks and ("choice_finish_reason" in chunks[-1] or "finish_reason" in chunks[-1]):
+                self._end_finished(worker, generating)  # the chunks of choices that end come last
+            return chunks
+
+        replies = ReplyStream(advance, sink)  # every choice's outputs
         try:
-            for index in range(plan.n):
-                choice = Choice(index, self._detokenizer(request), plan, self.logprobs, self.grammars)
-                choice_id = request_id if plan.n == 1 else f"{request_id}/{index}"
-                worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, index),
-                              constraint=choice.constraint, queue=queue,
-                              shares_prompt_with=f"{request_id}/0" if index else None, images=request.images)
-                choices[choice_id] = choice
-            while any(choice.finish_reason is None for choice in choices.values()):
-                batch = [await queue.get()]
-                while not queue.empty():  # coalesce whatever already arrived
-                    batch.append(queue.get_nowait())
-                chunks = self._chunks(batch, choices, plan.n, len(request.prompt_token_ids))
-                completion_tokens = sum(choice.completion.num_tokens for choice in choices.values())
-                self.generated_tokens += completion_tokens - log.completion_tokens
-                log.completion_tokens = completion_tokens
-                if completion_tokens:
-                    log.first_token()
-                for chunk in chunks:
+            for choice_id, choice in choices.items():
+                worker.submit(choice_id, request.prompt_token_ids, choice_params(request.params, choice.index),
+                              constraint=choice.constraint, queue=replies,
+                              shares_prompt_with=f"{request_id}/0" if choice.index else None, images=request.images)
+            while generating:
+                for chunk in advance(await replies.take()):
                     yield chunk
-                for choice_id, choice in choices.items():
-                    if choice.finish_reason is not None and not choice.completion.engine_finished:
-                        worker.abort(choice_id)  # cut short (a stop string, its one tool call): free its blocks now
         finally:
             for choice_id, choice in choices.items():
                 if not choice.completion.engine_finished:  # cancelled or disconnected (aborting twice is harmless)
+                    worker.abort(choice_id)
+
+    def _count_tokens(self, choices: dict, log) -> None:
+        completion_tokens = sum([choice.completion.num_tokens for choice in choices.values()])
+        self.generated_tokens += completion_tokens - log.completion_tokens
+        log.completion_tokens = completion_tokens
+        if completion_tokens:
+            log.first_token()
+
+    @staticmethod
+    def _end_finished(worker, generating: dict) -> None:
+        """Takes the choices that have finished out of `generating`; those cut short (a stop string, their one tool
+        call) are aborted, so that their blocks are freed now."""
+        for choice_id, choice in list(generating.items()):
+            if choice.finish_reason is not None:
+                del generating[choice_id]
+                if not choice.completion.engine_finished:
                     worker.abort(choice_id)
 
     def _detokenizer(self, request) -> Detokenizer:
@@ -79,15 +95,21 @@ class ChatReplies:
     def _chunks(batch, choices: dict, n: int, num_prompt_tokens: int) -> list[dict]:
         """One chunk per choice that has something to say, those that finish last; the request's last chunk
         takes finish_reason and usage."""
-        outputs = {}
-        for output in batch:
-            outputs.setdefault(output.request_id, []).append(output)
-        chunks = [chunk for choice_id, items in outputs.items() if (chunk := choices[choice_id].consume(items))]
-        chunks.sort(key=lambda chunk: "choice_finish_reason" in chunk)
         if n == 1:
-            for chunk in chunks:
-                chunk.pop("index")
-        if all(choice.finish_reason is not None for choice in choices.values()):
+            (choice,) = choices.values()
+            chunk = choice.consume(batch)
+            if chunk is None:
+                return []
+            del chunk["index"]
+            chunks = [chunk]
+        else:
+            outputs = {}
+            for output in batch:
+                outputs.setdefault(output.request_id, []).append(output)
+            chunks = [chunk for choice_id, items in outputs.items() if (chunk := choices[choice_id].consume(items))]
+            chunks.sort(key=lambda chunk: "choice_finish_reason" in chunk)
+        if chunks and "choice_finish_reason" in chunks[-1] and all(
+                choice.finish_reason is not None for choice in choices.values()):
             last = chunks[-1]
             last["finish_reason"] = last.pop("choice_finish_reason")
             completion_tokens = sum(choice.completion.num_tokens for choice in choices.values())
@@ -128,24 +150,27 @@ class Choice:
         choice has ended)."""
         if self.finish_reason is not None:
             return None
-        text, entries = [], []
+        completion = self.completion
+        text, entries, prompt_logprobs = "", [], None
         for output in outputs:
-            self._check_grammar(output)
-            piece, num_read = self.completion.consume(output)
-            text.append(piece)
+            if output.finish_reason == "error":
+                self._check_grammar()
+            piece, num_read = completion.consume(output)
+            text += piece
             if self.logprobs is not None and output.logprobs:
                 entries += self.logprobs.entries(output.new_token_ids[:num_read], output.logprobs[:num_read])
-        reasoning, parsed = self._parse("".join(text), finished=self.completion.finish_reason is not None)
-        if self.tools is not None and self.tools.finished and self.completion.finish_reason is None:
-            self.completion.finish_reason = "stop"  # its one call is complete: the rest is not read (an abort)
-        chunk = {"index": self.index, "content": parsed.content}
+            if prompt_logprobs is None and output.prompt_logprobs:
+                prompt_logprobs = output.prompt_logprobs
+        reasoning, content, tool_calls = self._parse(text, finished=completion.finish_reason is not None)
+        if self.tools is not None and self.tools.finished and completion.finish_reason is None:
+            completion.finish_reason = "stop"  # its one call is complete: the rest is not read (an abort)
+        chunk = {"index": self.index, "content": content}
         if reasoning:
             chunk["reasoning_content"] = reasoning
-        if parsed.tool_calls:
-            chunk["tool_calls"] = parsed.tool_calls
+        if tool_calls:
+            chunk["tool_calls"] = tool_calls
         if entries:
             chunk["logprobs"] = {"content": entries}
-        prompt_logprobs = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs), None)
         if prompt_logprobs:  # the engine's entries, as they came: handler/completions.py reads them
             chunk["prompt_logprobs"] = prompt_logprobs
         if self.completion.finish_reason is not None:
@@ -153,27 +178,31 @@ class Choice:
             chunk["choice_finish_reason"] = self.finish_reason
             if self.completion.detokenizer.stop_string is not None:
                 chunk["stop_sequence"] = self.completion.detokenizer.stop_string
-        return chunk if len(chunk) > 2 or parsed.content else None
+        return chunk if len(chunk) > 2 or content else None
 
-    def _check_grammar(self, output) -> None:
-        """A grammar that allowed no next token failed its request: the schema's fault, not the engine's."""
-        if output.finish_reason == "error" and self.constraint is not None and self.constraint.broken:
+    def _check_grammar(self) -> None:
+        """Of a request that failed: a grammar that allowed no next token failed it, the schema's fault, not the
+        engine's."""
+        if self.constraint is not None and self.constraint.broken:
             self.completion.engine_finished = True
             raise RequestError(f"{self.schema_field}: the JSON schema's grammar reached a point where no token may "
                                "follow (no value satisfies the schema); fix the schema", param=self.schema_field)
 
-    def _parse(self, text: str, finished: bool) -> tuple[str, Parsed]:
+    def _parse(self, text: str, finished: bool) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool-call deltas) of the text."""
+        if self.reasoning is None and self.tools is None:
+            return "", text, []
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         if finished and self.reasoning:
             more_reasoning, more_content = self.reasoning.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         if self.tools is None:
-            return reasoning, Parsed(content)
+            return reasoning, content, []
         parsed = self.tools.feed(content)
         if finished or self.tools.finished:
             rest = self.tools.finish()
             parsed = Parsed(parsed.content + rest.content, parsed.tool_calls + rest.tool_calls)
-        return reasoning, parsed
+        return reasoning, parsed.content, parsed.tool_calls
 
     def _finish_reason(self) -> str:
         reason = self.completion.finish_reason
@@ -199,19 +228,21 @@ class Completion:
             raise RuntimeError(f"the engine failed on this request: {output.error}")
         token_ids = output.new_token_ids
         stop_token = output.finish_reason == "stop" and bool(token_ids)
-        pieces = []
-        for num_read, token_id in enumerate(token_ids[:-1] if stop_token else token_ids, start=1):
-            self.num_tokens += 1
-            pieces.append(self.detokenizer.add(token_id))
-            if self.detokenizer.stopped:
+        detokenizer, text = self.detokenizer, ""
+        read = token_ids[:-1] if stop_token else token_ids
+        for num_read, token_id in enumerate(read, start=1):
+            text += detokenizer.add(token_id)
+            if detokenizer.stopped:
+                self.num_tokens += num_read
                 self.finish_reason = "stop"
-                return "".join(pieces), num_read
+                return text, num_read
+        self.num_tokens += len(read)
         if output.finish_reason is not None:
             self.num_tokens += stop_token
             self.engine_finished = True
             self.finish_reason = output.finish_reason
-            pieces.append(self.detokenizer.flush())
-        return "".join(pieces), len(token_ids) - stop_token
+            text += detokenizer.flush()
+        return text, len(read)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

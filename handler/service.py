@@ -2,7 +2,8 @@
 
 Each takes the request's `data` and returns (or, for chat, yields) reply payloads; an exception becomes
 the request's error reply (RequestError: 400 naming the field; EngineUnavailable: 503). Chat runs on the
-engine Worker through a per-request queue of outputs. Each request ends with an access line (handler/logs.py).
+engine Worker; its chunks go out from the engine step's callback (handler/reply_stream.py). Each request ends
+with an access line (handler/logs.py).
 Encoding (chat templates, tokenizing) runs on a small pool of threads, each with its own copy of the tokenizer,
 so a long prompt neither holds up the event loop that streams every other request's chunks nor the encoding of
 the requests behind it; a request's images are fetched on the event loop first, then decoded and preprocessed
@@ -21,7 +22,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from daemon_protocol import ReplyError, RequestError
+from daemon_protocol import ReplyError, RequestError, reply_sink
 from engine import PromptRejected, Worker
 from engine.embedding import check_inputs
 from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat_request, sampling_defaults
@@ -150,7 +151,7 @@ class Service:
             request = await self.with_grammar(request)
             log.prompt_tokens = len(request.prompt_token_ids)
             self.start_engine_report()
-            async for chunk in self.replies.stream(self.worker, request, request_id, log):
+            async for chunk in self.replies.stream(self.worker, request, request_id, log, reply_sink()):
                 yield chunk
 
     async def completions(self, data):
