@@ -6,7 +6,9 @@ full queue stalls the reader for every request.
 """
 import asyncio
 import itertools
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,8 +19,19 @@ from daemon_protocol.errors import DEFAULT_STATUS
 from daemon_protocol.log import RepeatedProblems, error
 
 SOCKET_BUFFER_BYTES = 1024 * 1024
+# the handler's log lines (handler/__main__.py's LOG_FORMAT): "date time LEVEL logger: message"
+HANDLER_LOG_LINE = re.compile(r"\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+relayed = logging.getLogger("front.handler")
 CHAT_QUEUE_CHUNKS = 10
 EXIT_TIMEOUT_S = 60.0  # after EOF: more than the handler's default drain timeout (HFENDPOINT_DRAIN_TIMEOUT, 30 s)
+
+
+def relay_level(line: str) -> int:
+    """The level to relay one of the handler's stderr lines at: a log line's own (the production daemon logs
+    every line at ERROR, which made each start-up line look like a failure), ERROR for anything else (a
+    traceback, a library's print)."""
+    match = HANDLER_LOG_LINE.match(line)
+    return getattr(logging, match.group(1)) if match else logging.ERROR
 
 
 class HandlerGone(Exception):
@@ -232,7 +245,8 @@ class HandlerConnection:
                 continue
             if not line:
                 return
-            error(f"handler stderr: {line.decode(errors='replace').rstrip()}")
+            text = line.decode(errors="replace").rstrip()
+            relayed.log(relay_level(text), f"handler stderr: {text}")
 
     async def stop(self) -> int:
         """Drop our write half (the handler sees EOF), wait for it to exit and return its exit code."""

@@ -1,6 +1,7 @@
 """Our front driven by the openai client and curl, with tests/workers/echo_worker.py behind it."""
 import http.client
 import json
+import logging
 import signal
 import socket
 import struct
@@ -13,6 +14,9 @@ import urllib.request
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from front.handler_connection import relay_level
+from handler.__main__ import LOG_FORMAT as HANDLER_LOG_FORMAT
 
 from protocol_support import ROOT, child_env
 
@@ -435,3 +439,12 @@ def test_sigterm_lets_the_streams_in_flight_finish(spawn_front_server):
     log = daemon.log()
     assert "finishing 4 request(s) in flight" in log and "the worker exited with code" not in log
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING, logging.ERROR])
+def test_the_handlers_log_lines_are_relayed_at_their_own_level(level):
+    """A start-up line is INFO in our front's log, not an error; a line that is not the handler's log format (a
+    traceback, a print) stays ERROR."""
+    record = logging.LogRecord("engine.startup", level, __file__, 1, "serving at 5.11s", None, None)
+    assert relay_level(logging.Formatter(HANDLER_LOG_FORMAT).format(record)) == level
+    assert relay_level("Traceback (most recent call last):") == logging.ERROR
