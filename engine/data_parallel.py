@@ -7,8 +7,9 @@ the handler's process keeps no engine, so its GIL serves only its event loop (ro
 the engines' pipe readers, never an engine's step. DataParallelWorker offers the Worker's interface: each request
 goes where engine/router.py says (the longest cached prefix unless markedly busier), the choices of one completion
 to the engine of its first, and embeddings to engine 0. A request's constraint travels with it (it must pickle:
-handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt there; the tokenizer info that every
-grammar needs crosses each engine's pipe once, engine/sent_once.py); the handler's copy, which
+handler/grammar.py's GrammarConstraint goes as its grammar's JSON and is rebuilt there; that JSON and the tokenizer
+info every grammar needs cross each engine's pipe once while the engine keeps them, engine/sent_once.py); the
+handler's copy, which
 the engine never sees, replays the request's tokens when the request fails, so that it knows whether a token broke
 it as the engine's copy does.
 

@@ -42,7 +42,7 @@ class Grammars:
                                                                 stop_token_ids=list(stop_token_ids) or None)
         self.token_bytes: list[bytes] = self.info.decoded_vocab  # each token's exact bytes
         self._pool: GrammarCompilerPool | None = None
-        self._cache: OrderedDict[str, tuple[xgrammar.CompiledGrammar, str]] = OrderedDict()  # by schema, with JSON
+        self._cache: OrderedDict[str, tuple[xgrammar.CompiledGrammar, SentOnce]] = OrderedDict()  # by schema, with JSON
         self._cache_bytes = 0
 
     def made_for(self, vocab_size: int, stop_token_ids: tuple[int, ...], max_grammar_bytes: int) -> bool:
@@ -69,10 +69,11 @@ class Grammars:
 
     def constraint(self, schema: str, compiled: xgrammar.CompiledGrammar) -> "GrammarConstraint":
         """A choice's constraint of the grammar compiled here for schema; while that grammar is kept, with the JSON
-        it came as, so that sending it to a data-parallel engine does not serialize it again for each request."""
+        it came as (a SentOnce), so that sending it to a data-parallel engine does not serialize it again for each
+        request, nor send it again while that engine keeps it."""
         kept = self._cache.get(schema)
-        grammar_json = kept[1] if kept is not None and kept[0] is compiled else None
-        return GrammarConstraint(compiled, self.shared_info, grammar_json)
+        grammar = kept[1] if kept is not None and kept[0] is compiled else None
+        return GrammarConstraint(compiled, self.shared_info, grammar)
 
     @functools.cached_property
     def info_json(self) -> str:
@@ -96,37 +97,37 @@ class Grammars:
         return xgrammar.CompiledGrammar.deserialize_json(serialized, self.info), serialized
 
     def _remember(self, schema: str, compiled: xgrammar.CompiledGrammar, serialized: str) -> None:
-        self._cache[schema] = compiled, serialized
-        self._cache_bytes += kept_bytes(compiled, serialized)
+        self._cache[schema] = compiled, SentOnce(serialized)
+        self._cache_bytes += kept_bytes(*self._cache[schema])
         while self._cache_bytes > CACHE_LIMIT_BYTES and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
             self._cache_bytes -= kept_bytes(*dropped)
 
 
-def kept_bytes(compiled: xgrammar.CompiledGrammar, serialized: str) -> int:
-    return compiled.memory_size_bytes + len(serialized)
+def kept_bytes(compiled: xgrammar.CompiledGrammar, serialized: SentOnce) -> int:
+    return compiled.memory_size_bytes + len(serialized.value)
 
 
 class GrammarConstraint:
     """One choice's grammar as the engine drives it (engine/constraints.py). It pickles, for an engine in another
     process (engine/data_parallel.py), as its grammar's JSON (which leaves the tokenizer info out) and its tokenizer
-    info's as a SentOnce (Grammars.shared_info), which crosses each engine's pipe once; the engine builds a matcher
-    of its own from them."""
+    info's, each a SentOnce (engine/sent_once.py: the tokenizer info crosses each engine's pipe once, a grammar once
+    while the engine keeps it); the engine builds a matcher of its own from them, deserializing each once."""
 
-    __slots__ = ("matcher", "broken", "compiled", "info", "grammar_json")
+    __slots__ = ("matcher", "broken", "compiled", "info", "grammar")
     batch: xgrammar.BatchGrammarMatcher | None = None  # fills many rows in parallel threads; made on first use
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, info: SentOnce | None = None,
-                 grammar_json: str | None = None):
-        """info: the compiled grammar's tokenizer info, serialized; grammar_json: the grammar, serialized; each
-        made from it where not given."""
+                 grammar: SentOnce | None = None):
+        """info: the compiled grammar's tokenizer info, serialized; grammar: the grammar, serialized; each made from
+        it where not given."""
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.broken = False  # a token it did not allow came: its grammar allowed none (a dead end)
-        self.compiled, self.info, self.grammar_json = compiled, info, grammar_json
+        self.compiled, self.info, self.grammar = compiled, info, grammar
 
     def __reduce__(self):
         info = self.info or SentOnce(self.compiled.tokenizer_info.serialize_json())
-        return rebuilt_constraint, (self.grammar_json or self.compiled.serialize_json(), info)
+        return rebuilt_constraint, (self.grammar or SentOnce(self.compiled.serialize_json()), info)
 
     def accept_token(self, token_id: int) -> bool:
         accepted = self.matcher.accept_token(token_id)
@@ -146,11 +147,9 @@ class GrammarConstraint:
         cls.batch.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, rows)
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_info(info: SentOnce) -> xgrammar.TokenizerInfo:
-    return xgrammar.TokenizerInfo.deserialize_json(info.value)
-
-
-def rebuilt_constraint(grammar_json: str, info: SentOnce) -> GrammarConstraint:
-    """A pickled GrammarConstraint, in the process that unpickles it (the tokenizer info deserialized once)."""
-    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(grammar_json, _tokenizer_info(info)), info)
+def rebuilt_constraint(grammar: SentOnce, info: SentOnce) -> GrammarConstraint:
+    """A pickled GrammarConstraint, in the process that unpickles it (the tokenizer info and each grammar
+    deserialized once while this process keeps them)."""
+    tokenizer_info = info.decoded(xgrammar.TokenizerInfo.deserialize_json)
+    compiled = grammar.decoded(lambda value: xgrammar.CompiledGrammar.deserialize_json(value, tokenizer_info))
+    return GrammarConstraint(compiled, info, grammar)

@@ -186,8 +186,9 @@ def test_constrained_requests_and_embeddings_run_in_the_engine_processes(two_eng
 
 
 def test_a_grammars_tokenizer_info_goes_down_each_pipe_once(monkeypatch):
-    """A constrained request's message carries its grammar, and the tokenizer info only the first time down a
-    pipe; read in order at the other end, a later one rebuilds a constraint that follows the grammar."""
+    """A constrained request's message carries its grammar and the tokenizer info only the first time down a
+    pipe; read in order at the other end, a later one rebuilds a constraint that follows the grammar, from the
+    grammar deserialized for the first."""
     info = xgrammar.TokenizerInfo(tiny_vocabulary(), vocab_size=VOCAB, stop_token_ids=[STOP])
     grammar = xgrammar.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
     shared_info = SentOnce(info.serialize_json())
@@ -199,16 +200,17 @@ def test_a_grammars_tokenizer_info_goes_down_each_pipe_once(monkeypatch):
 
     engine_0, engine_1 = PipePickler(), PipePickler()
     first, later, another = message(engine_0, 1), message(engine_0, 2), message(engine_1, 3)
-    assert len(first) - len(later) >= len(shared_info.value)
+    assert len(first) - len(later) >= len(shared_info.value) + len(grammar.serialize_json())
     assert len(another) == len(first)  # another engine's pipe gets it in full
     assert len(message(engine_0, 4)) == len(later)
 
-    monkeypatch.setattr(sent_once, "_received", {})  # the other end of engine 0's pipe, before its first message
-    with pytest.raises(RuntimeError, match="referred to before it came in full"):
+    monkeypatch.setattr(sent_once, "_received", sent_once.KeptValues())  # engine 0's end, before its first message
+    with pytest.raises(RuntimeError, match="referred to but is not kept here"):
         pickle.loads(later)
-    pickle.loads(first)
+    _, (_, _, _, first_rebuilt, _) = pickle.loads(first)
     _, (_, _, _, rebuilt, _) = pickle.loads(later)
     assert rebuilt.info is sent_once._received[shared_info.digest]
+    assert rebuilt.compiled is first_rebuilt.compiled  # the grammar came once and was deserialized once
     vocabulary = tiny_vocabulary()
     text = '{"name": "ab", "tags": []}'
     assert all(rebuilt.accept_token(vocabulary.index(c)) for c in text) and rebuilt.accept_token(STOP)

@@ -114,4 +114,4 @@ def test_a_choices_constraint_carries_its_kept_grammars_json(replies, grammars):
     schema = '{"type": "string"}'
     grammar = asyncio.run(grammars.compile_json_schema(schema, "response_format", 60.0))
     one = choice(replies, OutputPlan(schema=schema, schema_field="response_format", grammar=grammar))
-    assert one.constraint.grammar_json == grammar.serialize_json()
+    assert one.constraint.grammar.value == grammar.serialize_json()
