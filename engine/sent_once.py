@@ -86,8 +86,7 @@ class PipePickler:
         buffer = io.BytesIO()
         pickler = _Pickler(buffer, self.kept)
         pickler.dump(message)
-        if pickler.kept is not self.kept:  # the message noted values: its copy of what is kept becomes the state
-            self.kept = pickler.kept
+        self.kept = pickler.kept  # what the whole message noted (the same object if it noted nothing)
         return buffer.getbuffer()
 
 
