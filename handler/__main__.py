@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.transport_kind)
     from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
+    from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
     from handler.model_source import ModelNotFound, resolve_model
     from handler.settings import HandlerSettings
     try:
@@ -84,19 +85,20 @@ def main(argv: list[str] | None = None) -> int:
         log.error(str(exc))  # the one line of a start that cannot begin
         return 2
     startup_log.note("imports done")
+    freeze_imported_objects()
     name = settings.model_name or model.name
     loaded = load(name, model.path, config, settings)
     if loaded is None:
         return 1
     worker, tokenizer, parts = loaded
     try:
-        from engine.gc_freeze import freeze_startup_objects
         from handler.service import Service  # imported by load(), on its thread
         with startup_log.phase("chat service (grammar compilers, encoding threads)"):
             service = Service(worker, tokenizer, name, settings, parts=parts)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
-        freeze_startup_objects()
+        with startup_log.phase("garbage collection and freeze of what start-up made"):
+            freeze_startup_objects()
         startup_log.note("serving")
         daemon_protocol.serve(args.transport, drain_timeout=settings.drain_timeout)
         return 0

@@ -64,10 +64,12 @@ class EncodingParts:
     """What the service makes from the tokenizer that takes a while, which the handler makes on a thread while the
     weights load. The tokenizer's copies (tokenizers refuses to use one tokenizer from two threads while one
     reconfigures it, as truncation does): one that the grammars and the chat model read, and one for each
-    encoding thread. And the grammars, for the vocabulary size and end-of-sequence ids that the model's files
-    give: the service makes its own when the engine's differ."""
+    encoding thread. The most characters a token stands for (handler/chat.py's max_chars_per_token). And the
+    grammars, for the vocabulary size and end-of-sequence ids that the model's files give, with the tokenizer
+    info their compiling processes start from serialized: the service makes its own when the engine's differ."""
     shared: object
     per_thread: queue.SimpleQueue  # taken by the encoding threads as they start
+    max_chars_per_token: int | None
     grammars: Grammars | None = None
 
     @classmethod
@@ -82,7 +84,9 @@ class EncodingParts:
         if vocabulary is not None:
             vocab_size, model_eos = vocabulary
             grammars = Grammars(shared, vocab_size, stop_tokens(model_eos, tokenizer), max_grammar_bytes)
-        return cls(shared, per_thread, grammars)
+            if grammars.can_constrain:
+                _ = grammars.info_json  # serialized here, on the loading thread, rather than after the engine is ready
+        return cls(shared, per_thread, max_chars_per_token(tokenizer), grammars)
 
 
 class Service:
@@ -110,7 +114,7 @@ class Service:
         self.images = ImageFetcher(settings) if vision is not None else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
-                                    max_chars_per_token=max_chars_per_token(tokenizer),
+                                    max_chars_per_token=self._parts.max_chars_per_token,
                                     trust_request_chat_template=settings.trust_request_chat_template, vision=vision,
                                     limits=settings.limits)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None,
