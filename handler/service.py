@@ -29,7 +29,7 @@ from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
-from handler.images import ImageFetcher, VisionPrompt
+from handler.images import VisionPrompt
 from handler.limits import RequestLimits
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.memory import resident_bytes
@@ -89,6 +89,13 @@ class EncodingParts:
         return cls(shared, per_thread, max_chars_per_token(tokenizer), grammars)
 
 
+def image_fetcher(settings: HandlerSettings):
+    """The fetcher of a vision model's image parts; its module (and aiohttp) is imported for such a model only."""
+    from handler.image_fetch import ImageFetcher
+
+    return ImageFetcher(settings)
+
+
 class Service:
     def __init__(self, worker: Worker, tokenizer, model_name: str, settings: HandlerSettings | None = None,
                  engine_log_interval: float = ENGINE_LOG_INTERVAL_S, parts: EncodingParts | None = None):
@@ -111,7 +118,7 @@ class Service:
         if grammars is not None and grammars.can_constrain:
             grammars.start_compilers()
         vision = VisionPrompt.load(worker.model_dir, settings.image_max_pixels) if worker.reads_images else None
-        self.images = ImageFetcher(settings) if vision is not None else None
+        self.images = image_fetcher(settings) if vision is not None else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
                                     max_chars_per_token=self._parts.max_chars_per_token,
