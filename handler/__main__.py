@@ -126,7 +126,8 @@ def load(name: str, path: str, config, settings):
             parts = pool.submit(startup_log.timed, "tokenizer copies and grammars", encoding_parts, service,
                                 tokenizer, path, config.cache_dir, settings.limits.max_grammar_bytes)
             worker = make_worker(config, on_fatal=exit_soon)
-        tokenizer, parts = tokenizer.result(), parts.result()
+            with startup_log.phase("wait for the loading thread (tokenizer, its copies, grammars)"):
+                tokenizer, parts = tokenizer.result(), parts.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         if worker:
             worker.shutdown()
