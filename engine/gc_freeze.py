@@ -5,16 +5,16 @@ collections scan only what serving creates. Only a process of our own does this 
 tensor-parallel rank): a frozen object that later becomes cyclic garbage is never freed, so an engine built in
 somebody else's process (LLM) leaves its heap alone.
 
-Most of those objects are made by the imports (modules, classes, functions): frozen as soon as they are made
-(freeze_imported_objects), they are out of the way of the full collection at the end of startup, which then
-scans only what loading made and no longer holds up the endpoint's readiness for as long."""
+Most of those objects are made by the imports (modules, classes, functions). The handler imports with the automatic
+collection off (each full collection while imports run scans every object imported so far), then collects once and
+freezes them (freeze_imported_objects): they are out of the way of the collections while the model loads and of the
+full collection at the end of startup, which then scans only what loading made."""
 import gc
 
 
 def freeze_imported_objects() -> None:
-    """Collects the young generations (what the last imports left as garbage; the older ones were collected as the
-    imports went), then freezes every surviving object."""
-    gc.collect(1)
+    """Collects what the imports left as garbage, then freezes every surviving object."""
+    gc.collect()
     gc.freeze()
 
 

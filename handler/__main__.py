@@ -5,6 +5,7 @@ and engine come from the environment (see handler/model_source.py and engine/con
 """
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -73,10 +74,15 @@ def configure_logging(transport_kind: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.transport_kind)
-    from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
-    from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
-    from handler.model_source import ModelNotFound, resolve_model
-    from handler.settings import HandlerSettings
+    gc.disable()  # the imports make long-lived objects: collected once after them, not over and over as they run
+    try:
+        from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
+        from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
+        from handler.model_source import ModelNotFound, resolve_model
+        from handler.settings import HandlerSettings
+        freeze_imported_objects()
+    finally:
+        gc.enable()
     try:
         settings = HandlerSettings.from_env(os.environ)
         model = resolve_model(os.environ)
@@ -85,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         log.error(str(exc))  # the one line of a start that cannot begin
         return 2
     startup_log.note("imports done")
-    freeze_imported_objects()
     name = settings.model_name or model.name
     loaded = load(name, model.path, config, settings)
     if loaded is None:
