@@ -104,7 +104,11 @@ class Scheduler:
         Returns (seqs, num_tokens, ahead, follows): ahead, the tokens each request has in flight; follows, for
         the leading len(follows) requests, the sampled row of the step in flight that is their input token.
         None, with nothing admitted, where the plain schedule must wait for the step: the requests that
-        sample in flight do not lead the running list, or a request would be preempted."""
+        sample in flight do not lead the running list, or a request would be preempted; and where a step ahead
+        would compute nothing but tokens thrown away: every running request reaches its length limit with the
+        token it samples in flight, and none waits (a lone request's last token, its first with max_tokens 1)."""
+        if self._all_end_in_flight(in_flight, sample_rows):
+            return None
         follows = [i for i, row in enumerate(sample_rows) if not in_flight[row].is_finished]  # aborted, stopped
         seqs = [in_flight[sample_rows[i]] for i in follows]
         if self.running[:len(seqs)] != seqs or len(seqs) > self.max_num_batched_tokens:
@@ -133,6 +137,13 @@ class Scheduler:
         self._admit(seqs, num_tokens, budget)
         ahead += [0] * (len(seqs) - num_running)
         return seqs, num_tokens, ahead, follows
+
+    def _all_end_in_flight(self, in_flight: list[Sequence], sample_rows: list[int]) -> bool:
+        """Whether no request waits and every running one samples in the step in flight a token that reaches its
+        length limit (Sequence.append_token finishes it, whatever the token)."""
+        sampling = [in_flight[row] for row in sample_rows]
+        return (not self.waiting and len(sampling) == len(self.running)
+                and all(len(seq) + 1 >= seq.max_len for seq in sampling))
 
     def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None],
                logprobs: list | None = None) -> list[tuple[Sequence, int | None]]:

@@ -5,6 +5,7 @@ and engine come from the environment (see handler/model_source.py and engine/con
 """
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -73,9 +74,15 @@ def configure_logging(transport_kind: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.transport_kind)
-    from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
-    from handler.model_source import ModelNotFound, resolve_model
-    from handler.settings import HandlerSettings
+    gc.disable()  # the imports make long-lived objects: collected once after them, not over and over as they run
+    try:
+        from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
+        from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
+        from handler.model_source import ModelNotFound, resolve_model
+        from handler.settings import HandlerSettings
+        freeze_imported_objects()
+    finally:
+        gc.enable()
     try:
         settings = HandlerSettings.from_env(os.environ)
         model = resolve_model(os.environ)
@@ -90,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker, tokenizer, parts = loaded
     try:
-        from engine.gc_freeze import freeze_startup_objects
         from handler.service import Service  # imported by load(), on its thread
         with startup_log.phase("chat service (grammar compilers, encoding threads)"):
             service = Service(worker, tokenizer, name, settings, parts=parts)
         for handler_name in HANDLER_NAMES:
             daemon_protocol.handler(handler_name)(getattr(service, handler_name))
-        freeze_startup_objects()
+        with startup_log.phase("garbage collection and freeze of what start-up made"):
+            freeze_startup_objects()
         startup_log.note("serving")
         daemon_protocol.serve(args.transport, drain_timeout=settings.drain_timeout)
         return 0
@@ -124,7 +131,8 @@ def load(name: str, path: str, config, settings):
             parts = pool.submit(startup_log.timed, "tokenizer copies and grammars", encoding_parts, service,
                                 tokenizer, path, config.cache_dir, settings.limits.max_grammar_bytes)
             worker = make_worker(config, on_fatal=exit_soon)
-        tokenizer, parts = tokenizer.result(), parts.result()
+            with startup_log.phase("wait for the loading thread (tokenizer, its copies, grammars)"):
+                tokenizer, parts = tokenizer.result(), parts.result()
     except Exception as exc:  # noqa: BLE001 - any load failure ends the process with one clear line
         if worker:
             worker.shutdown()

@@ -29,7 +29,7 @@ from handler.chat import ChatModel, ChatRequest, max_chars_per_token, parse_chat
 from handler.choices import ChatReplies
 from handler.completions import parse_completion_request, stream_completion
 from handler.grammar import Grammars
-from handler.images import ImageFetcher, VisionPrompt
+from handler.images import VisionPrompt
 from handler.limits import RequestLimits
 from handler.logs import ENGINE_LOG_INTERVAL_S, logged_request, report_engine
 from handler.memory import resident_bytes
@@ -64,10 +64,12 @@ class EncodingParts:
     """What the service makes from the tokenizer that takes a while, which the handler makes on a thread while the
     weights load. The tokenizer's copies (tokenizers refuses to use one tokenizer from two threads while one
     reconfigures it, as truncation does): one that the grammars and the chat model read, and one for each
-    encoding thread. And the grammars, for the vocabulary size and end-of-sequence ids that the model's files
-    give: the service makes its own when the engine's differ."""
+    encoding thread. The most characters a token stands for (handler/chat.py's max_chars_per_token). And the
+    grammars, for the vocabulary size and end-of-sequence ids that the model's files give, with the tokenizer
+    info their compiling processes start from serialized: the service makes its own when the engine's differ."""
     shared: object
     per_thread: queue.SimpleQueue  # taken by the encoding threads as they start
+    max_chars_per_token: int | None
     grammars: Grammars | None = None
 
     @classmethod
@@ -82,7 +84,16 @@ class EncodingParts:
         if vocabulary is not None:
             vocab_size, model_eos = vocabulary
             grammars = Grammars(shared, vocab_size, stop_tokens(model_eos, tokenizer), max_grammar_bytes)
-        return cls(shared, per_thread, grammars)
+            if grammars.can_constrain:
+                _ = grammars.info_json  # serialized here, on the loading thread, rather than after the engine is ready
+        return cls(shared, per_thread, max_chars_per_token(tokenizer), grammars)
+
+
+def image_fetcher(settings: HandlerSettings):
+    """The fetcher of a vision model's image parts; its module (and aiohttp) is imported for such a model only."""
+    from handler.image_fetch import ImageFetcher
+
+    return ImageFetcher(settings)
 
 
 class Service:
@@ -107,10 +118,10 @@ class Service:
         if grammars is not None and grammars.can_constrain:
             grammars.start_compilers()
         vision = VisionPrompt.load(worker.model_dir, settings.image_max_pixels) if worker.reads_images else None
-        self.images = ImageFetcher(settings) if vision is not None else None
+        self.images = image_fetcher(settings) if vision is not None else None
         self.chat_model = ChatModel(encoding_tokenizer, worker.max_model_len, eos, sampling_defaults(worker.model_dir),
                                     vocab_size=worker.vocab_size, grammars=grammars,
-                                    max_chars_per_token=max_chars_per_token(tokenizer),
+                                    max_chars_per_token=self._parts.max_chars_per_token,
                                     trust_request_chat_template=settings.trust_request_chat_template, vision=vision,
                                     limits=settings.limits)
         self.replies = ChatReplies(tokenizer, grammars.token_bytes if grammars else None,

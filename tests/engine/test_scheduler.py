@@ -169,3 +169,26 @@ def test_schedule_ahead_waits_when_the_sampling_requests_do_not_lead():
     seqs, counts = scheduler.schedule()
     assert scheduler.schedule_ahead([b], [4], [0]) is None  # a runs before b: b's token cannot lead
     assert [s.request_id for s in scheduler.running] == ["a", "b"]
+
+
+def test_schedule_ahead_plans_nothing_when_every_request_ends_in_flight():
+    """A step ahead of one whose tokens finish every request by length would compute only throwaway tokens (on the
+    CPU, where a launch runs at once, it delayed the last token's delivery by a whole forward)."""
+    scheduler = setup(budget=16)
+    a = seq(3, "a", max_tokens=2)
+    scheduler.add(a)
+    seqs, counts = scheduler.schedule()
+    planned, counts, _, follows = launch_ahead(scheduler, seqs, counts)  # its first token: one more to go
+    assert planned == [a] and follows == [0]
+    assert launch_ahead(scheduler, planned, counts) is None and a.finish_reason == "length"
+    b, c, d = seq(3, "b", max_tokens=1), seq(3, "c", first=10, max_tokens=5), seq(3, "d", first=20, max_tokens=1)
+    scheduler.add(b)
+    scheduler.add(c)
+    seqs, counts = scheduler.schedule()
+    planned, _, _, follows = launch_ahead(scheduler, seqs, counts)  # c goes on: b computes a throwaway token
+    assert planned == [b, c] and follows == [0, 1] and b.finish_reason == "length"
+    waiting = setup(budget=16, max_seqs=1)  # a request waits for a seat: the steps go on
+    waiting.add(d)
+    waiting.add(seq(3, "e", first=30))
+    seqs, counts = waiting.schedule()
+    assert seqs == [d] and launch_ahead(waiting, seqs, counts)[0] == [d]

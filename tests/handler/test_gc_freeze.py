@@ -1,8 +1,10 @@
 """The handler freezes what startup left on the heap before it serves (engine/gc_freeze.py), so that a full garbage
 collection while serving scans only the objects serving created, not the libraries and the model."""
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -26,3 +28,28 @@ def test_startup_objects_are_frozen_before_serving(smollm2_path):
     frozen, collectable = map(int, result.stdout.split())
     assert frozen > 100_000  # torch, transformers and the model
     assert collectable < frozen / 100
+
+
+class Node:
+    def __init__(self):
+        self.cycle = self
+
+
+def test_garbage_made_after_the_early_freeze_is_collected_at_the_end_of_startup():
+    """The handler freezes the imports' objects at once (freeze_imported_objects); what loading makes after that
+    and leaves as cyclic garbage is still collected by the full collection before serving, and the objects frozen
+    early stay frozen."""
+    from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
+
+    kept = Node()
+    try:
+        freeze_imported_objects()
+        frozen_early = gc.get_freeze_count()
+        assert frozen_early > 0 and not any(obj is kept for obj in gc.get_objects())
+        garbage = weakref.ref(Node())  # a cycle: only a collection frees it
+        assert garbage() is not None
+        freeze_startup_objects()
+        assert garbage() is None
+        assert gc.get_freeze_count() >= frozen_early
+    finally:
+        gc.unfreeze()

@@ -15,7 +15,8 @@ from vision_models import save_processor
 
 from daemon_protocol import RequestError
 from handler.chat import ChatModel, parse_chat_request
-from handler.images import CheckingResolver, ImageFetcher, ImageSource, UnfetchableAddress, VisionPrompt, fetchable
+from handler.image_fetch import CheckingResolver, ImageFetcher, UnfetchableAddress, fetchable
+from handler.images import ImageSource, VisionPrompt
 from handler.settings import HandlerSettings
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
