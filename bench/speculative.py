@@ -156,7 +156,7 @@ def step_periods(speculator: Speculator | None) -> str:
     """The plain / drafting step milliseconds the speculator measured per batch class (what it decides by)."""
     if speculator is None:
         return ""
-    return " ".join(f"{(1 << b) >> 1}:" + "/".join(f"{1e3 * p.seconds[kind]:.2f}" if kind in p.seconds
+    return " ".join(f"{1 << b}:" + "/".join(f"{1e3 * p.seconds[kind]:.2f}" if kind in p.seconds
                                                           else "-" for kind in (False, True))
                     for b, p in sorted(speculator.periods.items()))
 

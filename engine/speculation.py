@@ -16,15 +16,19 @@ So speculation backs off by itself, per step:
   draft token, all of them would lose the overlap) and costs the speculator nothing per step: no
   measurement, no loop over its requests, no drafter bookkeeping (a drafter learns a request's tokens only
   when it proposes for it);
-- otherwise a step drafts when it is expected to make the typical request faster: per batch-size class
-  (batches of 2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not
-  overlapped, a row per draft token) and without, and a step drafts when one token plus the median request's
-  draft gain per drafting step beats one token per plain step by a margin. Each kind is timed over its runs
-  of consecutive steps, switches included (StepTimer). Timing the two kinds of step apart, rather than
-  tokens per second of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from
-  condemning drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not
-  pay the step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as
-  often after one that gained none.
+- otherwise a step drafts when it is expected to make every request of the batch faster: per batch-size class
+  (batches of about 2^b requests: from 2^(b - 1/2) up to 2^(b + 1/2), so that a batch of a power of two keeps
+  its class while it drains) the engine measures the seconds of a decoding step with drafts (not overlapped,
+  a row per draft token) and without, and a step drafts when one token plus the draft gain of the request
+  that gains least beats one token per plain step by a margin. A drafting step slows every request of the
+  batch, so tokens that some requests gain (an answer that copies, one that loops) do not pay for the others
+  waiting longer: the slowest request sets when a batch is done, and a request that waits for a place in the
+  batch waits for the slowest too. Each kind is timed over its runs of consecutive steps, switches included
+  (StepTimer). Timing the two kinds of step apart, rather than tokens per second of each mode, keeps a phase
+  where the drafter finds nothing (the start of an answer) from condemning drafting for the rest of it.
+  Acceptance is measured only by drafting, so while drafting does not pay the step drafts now and then
+  anyway (a probe): soon again after a probe whose tokens paid for its step, half as often after one whose
+  tokens did not.
 """
 import math
 import operator
@@ -63,7 +67,7 @@ class StepPeriods:
                 return True
             if False not in self.seconds:
                 return False
-            if (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]:
+            if self.faster_drafting(num_running, gain):
                 return True
         self.plain_steps += 1
         if self.plain_steps < self.probe_after:
@@ -75,9 +79,18 @@ class StepPeriods:
         old = self.seconds.get(drafting)
         self.seconds[drafting] = seconds if old is None else PERIOD_MEMORY * old + (1 - PERIOD_MEMORY) * seconds
 
-    def drafted(self, gained: bool) -> None:
-        """After a drafting step: probe soon again if it gained tokens, half as often otherwise."""
-        self.probe_after = PROBE_AFTER_STEPS if gained else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
+    def faster_drafting(self, num_running: int, gain: float) -> bool:
+        """Whether a drafting step that gains `gain` tokens beyond one a request beats plain steps by the margin
+        in tokens per second (both kinds measured)."""
+        return (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]
+
+    def drafted(self, num_running: int, gained: int) -> None:
+        """After a drafting step that gained `gained` tokens beyond one a request: probe soon again if they paid
+        for the step (as far as measured), half as often otherwise, so that probes a batch never profits from
+        grow rare."""
+        paid = gained >= MIN_EXPECTED_GAIN * num_running and (
+            True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running, gained))
+        self.probe_after = PROBE_AFTER_STEPS if paid else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
 
 
 class StepTimer:
@@ -137,9 +150,9 @@ class Speculator:
         """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
         if not self.adaptive:
             return True
-        if not self.may_draft(len(running)):
-            return False
-        return self._periods(len(running)).drafting_pays(len(running), typical_gain(running))
+        if not running or not self.may_draft(len(running)):
+            return False  # nothing to draft for (the last requests finished): a drafting step would only stall
+        return self._periods(len(running)).drafting_pays(len(running), least_gain(running))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
@@ -196,7 +209,7 @@ class Speculator:
         tokens (gained: its tokens beyond one a request)."""
         periods = self._periods(num_running)
         if drafting:
-            periods.drafted(gained >= MIN_EXPECTED_GAIN * num_running)
+            periods.drafted(num_running, gained)
         self.timer.step(periods, drafting, decoding)
 
     def step_skipped(self) -> None:
@@ -205,7 +218,7 @@ class Speculator:
 
     def _periods(self, num_running: int) -> StepPeriods:
         """The step periods of a batch of this size (made on first use)."""
-        bucket = num_running.bit_length()
+        bucket = batch_class(num_running)
         periods = self.periods.get(bucket)
         if periods is None:
             periods = self.periods[bucket] = StepPeriods()
@@ -215,13 +228,18 @@ class Speculator:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
 
 
-def typical_gain(running: list[Sequence]) -> float:
-    """The draft tokens a step is expected to gain in all, counted as if every request gained as much as the
-    median one: a drafting step slows every request of the batch, so tokens that a few requests (an answer
-    looping, a quote) gain fast do not pay for the others waiting longer; the batch's slowest requests set when
-    it is done."""
-    gains = sorted(map(DRAFT_GAIN, running))
-    return len(gains) * gains[len(gains) // 2] if gains else 0.0
+def batch_class(num_running: int) -> int:
+    """The class b of a batch of about 2^b requests, the nearest power of two: floor(log2(n) + 1/2), that is
+    floor(log2(2 n^2) / 2)."""
+    return ((2 * num_running * num_running).bit_length() - 1) // 2
+
+
+def least_gain(running: list[Sequence]) -> float:
+    """The draft tokens a step is expected to gain in all, counted as if every request gained as little as the
+    one that gains least: a drafting step slows every request of the batch, so tokens that some requests (an
+    answer copying or looping) gain fast do not pay for the others waiting longer; the slowest request sets
+    when the batch is done."""
+    return len(running) * min(map(DRAFT_GAIN, running))
 
 
 def set_draft(seq: Sequence, draft: list[int]) -> None:

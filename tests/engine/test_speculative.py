@@ -27,7 +27,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, draft_length
+from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, batch_class, draft_length
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from models import llama
@@ -343,12 +343,12 @@ def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
     for _ in range(2000):
         choices.append(periods.drafting_pays(4, 7.5))  # 11.5 tokens in 3 s lose
         if choices[-1]:
-            periods.drafted(gained=False)
+            periods.drafted(4, 0)
     assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on probes"
     probes = [i for i, drafting in enumerate(choices) if drafting]
     gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    periods.drafted(gained=True)
+    periods.drafted(4, 10)
     assert [periods.drafting_pays(4, 0.0) for _ in range(16)].count(True) == 1, "a probe that gained: soon again"
     periods.record(True, 1.0)
     assert periods.drafting_pays(4, 7.5) is True, "once drafting steps get cheaper, it runs"
@@ -390,6 +390,7 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     assert not speculator.decide(seqs), "no row is left for a draft token"
     assert not speculator.decide(seqs[:3]), "most requests would get no row for a draft token"
     assert speculator.decide(seqs[:2])
+    assert not speculator.decide([]), "the last requests finished: nothing to draft for"
     for seq in seqs[:2]:
         seq.draft_gain = 0.01
     assert not speculator.decide(seqs[:2]), "drafts that gain almost nothing"
@@ -404,15 +405,38 @@ def test_a_request_drafts_as_long_as_its_last_token_stays_likely_to_be_accepted(
     assert lengths == [1, 1, 3, 8, 8], "0.5^3 and 0.79^8 are over a tenth, 0.5^4 is not"
 
 
-def test_back_off_weighs_the_median_request_not_a_few_fast_ones():
-    """Drafts that only a minority of the batch gains from (answers looping) slow the rest: no drafting."""
+def test_a_probe_whose_tokens_do_not_pay_for_its_step_makes_probes_rarer():
+    """A probe that gains some tokens, but too few for the slower step, must not keep probes frequent: each
+    would cost a batch that never profits a step that is not overlapped."""
+    periods = StepPeriods()
+    periods.record(True, 3.0)
+    periods.record(False, 1.0)
+    soon = periods.probe_after
+    periods.drafted(4, 2)  # 6 tokens in 3 s against 4 a second
+    assert periods.probe_after == 2 * soon
+    periods.drafted(4, 10)  # 14 tokens in 3 s
+    assert periods.probe_after == soon
+
+
+def test_back_off_weighs_the_request_that_gains_least():
+    """Drafts that only part of the batch gains from (answers copying or looping) slow the rest, and the slowest
+    request sets when the batch is done: no drafting."""
     speculator = Speculator("ngram", 4, max_rows=64)
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0), 64) for i in range(5)]
-    for seq, gain in zip(seqs, (6.0, 6.0, 0.0, 0.0, 0.0)):
+    for seq, gain in zip(seqs, (6.0, 6.0, 6.0, 6.0, 0.0)):
         seq.num_computed_tokens, seq.draft_gain = 2, gain
-    assert not speculator.decide(seqs), "two of five gain many tokens, the median request none"
-    seqs[2].draft_gain = 1.0
-    assert speculator.decide(seqs), "three of five gain: a drafting step is timed first"
+    assert not speculator.decide(seqs), "four of five gain many tokens, one none"
+    seqs[4].draft_gain = 1.0
+    assert speculator.decide(seqs), "all five gain: a drafting step is timed first"
+
+
+def test_a_batch_keeps_its_class_while_it_drains_from_a_power_of_two():
+    """A batch of 16 or 64 that loses a request must not move to a class measured at other sizes (or not at
+    all, which starts the measuring over): classes are centred on powers of two."""
+    sizes = (1, 2, 3, 11, 12, 16, 22, 23, 45, 46, 64, 90, 91)
+    assert [batch_class(n) for n in sizes] == [0, 1, 2, 3, 4, 4, 4, 5, 5, 6, 6, 6, 7]
+    speculator = Speculator("ngram", 4, max_rows=256)
+    assert speculator._periods(16) is speculator._periods(13) is not speculator._periods(11)
 
 
 def attention_by_step(llm, monkeypatch) -> list[tuple[bool, set[bool]]]:
