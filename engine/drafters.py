@@ -4,7 +4,8 @@ one step (engine/speculation.py). A drafter has
     propose(seq, k) -> list[int]   up to k tokens likely to follow seq.token_ids (may be fewer, or none)
 
 keeping what it knows of a request in seq.draft_state. It learns a request's tokens only when it proposes for
-it, catching up on those added since: a step that does not draft costs a drafter nothing.
+it, catching up on those added since: a request costs a drafter nothing between its proposals (a drafting
+step's, or one a plain step checks on the side, engine/speculation.py).
 
 Prompt lookup (NgramDrafter) matches the last few tokens of the request against its own prompt and output and
 proposes what followed the latest earlier occurrence: outputs that copy their prompt (code edits, summaries,

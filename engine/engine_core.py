@@ -190,6 +190,7 @@ class EngineCore:
                          for tokens in sampled) - num_running
         else:  # no request verifies a draft: a decoding step computes one token per request, gains none
             decoding, gained = launched.num_tokens.count(1) == num_running, 0
+            self.speculator.check_aside(launched.seqs)
         self.speculator.step_done(num_running, drafting, decoding, gained)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:

@@ -503,3 +503,55 @@ def test_a_gpu_engine_refuses_drafts_over_sliding_window_layers():
         check_speculation(config, on_gpu)
     check_speculation(config, SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=full)))
     check_speculation(config, SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=windowed)))
+
+
+def test_a_plain_step_counts_a_draft_on_the_side_once_its_tokens_are_decoded():
+    """While no step drafts, a request's draft gain follows what its drafts would have gained: a draft proposed
+    on the side counts as verified when the tokens it guessed are decoded, up to the first one guessed wrong."""
+    speculator = Speculator("ngram", 4, max_rows=8)
+    seq = Sequence(0, [5, 6, 7, 8, 9, 5, 6], SamplingParams(temperature=0), 64)
+    seq.num_computed_tokens, seq.draft_gain, seq.acceptance = len(seq.token_ids), 0.0, 1.0
+    periods = speculator._periods(1)
+    periods.record(True, 1.3)
+    periods.record(False, 1.0)
+    assert not speculator.decide([seq]), "no gain measured yet"
+    speculator.check_aside([seq])
+    assert seq.aside_draft == (7, [7, 8, 9, 5])
+    for token in (7, 8, 9):
+        seq.token_ids.append(token)
+        seq.num_computed_tokens += 1
+        speculator.check_aside([seq])
+        assert seq.draft_gain == 0.0, "the guess holds so far: not counted yet"
+    seq.token_ids.append(1)
+    speculator.check_aside([seq])
+    assert seq.draft_gain == pytest.approx(0.7 * 0.3 * 3), "three of four guessed tokens decoded; then a miss"
+    assert seq.aside_draft is None, "nothing follows 9, 1 earlier: the next draft found nothing"
+    assert speculator.decide([seq]), "1.63 tokens a drafting step beat one a plain step by the margin"
+    assert speculator.stats()["spec_drafted_tokens"] == 0, "drafts on the side are not drafts verified"
+
+
+def test_a_draft_on_the_side_guessed_wrong_at_once_counts_nothing():
+    speculator = Speculator("ngram", 4, max_rows=8)
+    seq = Sequence(0, [5, 6, 7, 8, 9, 5, 6], SamplingParams(temperature=0), 64)
+    seq.num_computed_tokens, seq.draft_gain, seq.acceptance = len(seq.token_ids), 1.0, 1.0
+    speculator.check_aside([seq])
+    seq.token_ids.append(2)
+    speculator.check_aside([seq])
+    assert seq.acceptance == pytest.approx(0.7), "none of four accepted"
+    assert seq.draft_gain == pytest.approx(0.7 * 0.7), "none accepted, then nothing found after 6, 2"
+
+
+def test_plain_steps_of_a_speculative_engine_check_drafts_on_the_side(tiny_llama, prompts, long_outputs,
+                                                                       monkeypatch):
+    """With drafting never paying, every step is plain: the drafts checked on the side move the gains, and
+    greedy outputs stay those without speculation."""
+    params, expected = long_outputs
+    monkeypatch.setattr(StepPeriods, "drafting_pays", lambda self, num_running, gain: False)
+    counted = []
+    monkeypatch.setattr("engine.speculation.count_verification", lambda seq, drafted, accepted: counted.append(
+        (drafted, accepted)))
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    assert outputs(llm, prompts, params) == expected
+    assert llm.core.stats()["spec_drafted_tokens"] == 0
+    assert counted and all(0 <= accepted <= drafted <= 3 for drafted, accepted in counted)
+    assert_all_blocks_free(llm)
