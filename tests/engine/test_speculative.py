@@ -230,6 +230,23 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert NgramDrafter().propose(Sequence(1, [1, 2, 3, 4], SamplingParams(), 64), 3) == []
 
 
+def test_ngram_drafter_falls_back_to_the_last_token_alone():
+    seq = Sequence(0, [5, 6, 7, 8, 6], SamplingParams(), 64)
+    assert NgramDrafter().propose(seq, 2) == [7, 8], "no pair matches: the last token does"
+
+
+def test_ngram_drafter_keeps_copying_from_where_its_last_proposal_copied():
+    """The last four tokens occurred latest elsewhere, followed by something else: a copy goes on from its own
+    source as long as the tokens since are the source's, and looks up anew once they are not."""
+    seq = Sequence(0, [7, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 9, 7, 1], SamplingParams(), 64)
+    drafter = NgramDrafter()
+    assert drafter.propose(seq, 2) == [2, 3], "7, 1 occurred once"
+    seq.token_ids += [2, 3, 4]  # two draft tokens accepted, and the model's own next one: the source's too
+    assert drafter.propose(seq, 2) == [5, 6], "the copy goes on (1, 2, 3, 4 occurred latest before 9)"
+    seq.token_ids += [5, 1]  # the model left the source
+    assert drafter.propose(seq, 2) == [2, 3], "looked up anew: 5, 1 did not occur, 1 latest before 2, 3"
+
+
 def test_ngram_drafter_matches_whole_tokens_only():
     """A token's bytes can repeat across two tokens; only a match aligned on tokens counts."""
     straddling = [1 << 24, 2 << 24, 0]  # native bytes 00 00 00 01 | 00 00 00 02 | 00 00 00 00
