@@ -11,9 +11,9 @@ Prompt lookup (NgramDrafter) matches the last few tokens of the request against 
 proposes what followed the latest earlier occurrence: outputs that copy their prompt (code edits, summaries,
 retrieval answers) are guessed many tokens at a time. While the request's new tokens are those its last
 proposal copied, it goes on copying from there, as a copy does, rather than from wherever the last few tokens
-occurred latest. SuffixDrafter does the same over the request's own
-tokens and, where they hold no match, follows a depth-limited suffix trie over the recent outputs of all
-requests, so answers repeated across requests are guessed too (as in suffix decoding).
+occurred latest. SuffixDrafter does the same over the request's own tokens and, where they hold no match,
+follows a depth-limited suffix trie over the recent outputs of all requests, so answers repeated across
+requests are guessed too (as in suffix decoding).
 """
 from array import array
 from collections import deque

@@ -239,8 +239,8 @@ class Speculator:
             count_miss(seq)
 
     def step_done(self, num_running: int, drafting: bool, decoding: bool, gained: int) -> None:
-        """Times a finished step (StepTimer); a drafting step tells when to probe next by whether it gained
-        tokens (gained: its tokens beyond one a request)."""
+        """Times a finished step (StepTimer); a drafting step tells when to probe next by whether its tokens
+        paid for it (gained: its tokens beyond one a request)."""
         periods = self._periods(num_running)
         if drafting:
             periods.drafted(num_running, gained)
