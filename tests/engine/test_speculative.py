@@ -572,3 +572,23 @@ def test_plain_steps_of_a_speculative_engine_check_drafts_on_the_side(tiny_llama
     assert llm.core.stats()["spec_drafted_tokens"] == 0
     assert counted and all(0 <= accepted <= drafted <= 3 for drafted, accepted in counted)
     assert_all_blocks_free(llm)
+
+
+def test_time_the_engine_idles_between_requests_is_no_steps_time(tiny_llama, prompts, monkeypatch):
+    """A step launched ahead for a request that finished is returned by the next request's first step() call:
+    the idle time before it must not count as the seconds of a plain step."""
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr("engine.speculation.time.perf_counter", tick)
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    llm.core.overlap = True
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+    for prompt in prompts[:3]:
+        outputs(llm, [prompt], params)
+        clock[0] += 1e6  # idle
+    seconds = [s for periods in llm.core.speculator.periods.values() for s in periods.seconds.values()]
+    assert seconds and max(seconds) < 10
