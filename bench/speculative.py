@@ -156,7 +156,7 @@ def step_periods(speculator: Speculator | None) -> str:
     """The plain / drafting step milliseconds the speculator measured per batch class (what it decides by)."""
     if speculator is None:
         return ""
-    return " ".join(f"{(1 << b) >> 1}:" + "/".join(f"{1e3 * p.seconds[kind]:.2f}" if kind in p.seconds
+    return " ".join(f"{1 << b}:" + "/".join(f"{1e3 * p.seconds[kind]:.2f}" if kind in p.seconds
                                                           else "-" for kind in (False, True))
                     for b, p in sorted(speculator.periods.items()))
 
@@ -206,7 +206,8 @@ def synchronize() -> None:
 
 def workloads_table(args) -> None:
     read_headers_with_gguf_package()
-    llm = LLM(args.model or packaged_smollm2(), speculative=f"ngram:k={args.k}", max_num_seqs=max(args.batches))
+    llm = LLM(args.model or packaged_smollm2(), speculative=f"ngram:k={args.k}",
+              max_num_seqs=args.max_num_seqs or max(args.batches))
     warm_lm_head(llm, args.k)
     modes = ["off", *args.methods]
     args.speculators = {method: Speculator(method, args.k, llm.config.max_num_seqs) for method in args.methods}
@@ -359,6 +360,9 @@ def main():
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per request and step")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--min-requests", type=int, default=8, help="requests a run serves at least, batch at a time")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="the engine's max_num_seqs (default: the largest batch); a batch of more than half of it "
+                         "never drafts, so a run of small batches alone wants the device run's value")
     ap.add_argument("--runs", type=int, default=3, help="rounds of every mode per workload and batch (median)")
     ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
     ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")

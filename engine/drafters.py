@@ -4,13 +4,16 @@ one step (engine/speculation.py). A drafter has
     propose(seq, k) -> list[int]   up to k tokens likely to follow seq.token_ids (may be fewer, or none)
 
 keeping what it knows of a request in seq.draft_state. It learns a request's tokens only when it proposes for
-it, catching up on those added since: a step that does not draft costs a drafter nothing.
+it, catching up on those added since: a request costs a drafter nothing between its proposals (a drafting
+step's, or one a plain step checks on the side, engine/speculation.py).
 
 Prompt lookup (NgramDrafter) matches the last few tokens of the request against its own prompt and output and
 proposes what followed the latest earlier occurrence: outputs that copy their prompt (code edits, summaries,
-retrieval answers) are guessed many tokens at a time. SuffixDrafter does the same over the request's own
-tokens and, where they hold no match, follows a depth-limited suffix trie over the recent outputs of all
-requests, so answers repeated across requests are guessed too (as in suffix decoding).
+retrieval answers) are guessed many tokens at a time. While the request's new tokens are those its last
+proposal copied, it goes on copying from there, as a copy does, rather than from wherever the last few tokens
+occurred latest. SuffixDrafter does the same over the request's own tokens and, where they hold no match,
+follows a depth-limited suffix trie over the recent outputs of all requests, so answers repeated across
+requests are guessed too (as in suffix decoding).
 """
 from array import array
 from collections import deque
@@ -20,12 +23,16 @@ TOKEN_BYTES = array("i").itemsize  # a token id as a native int in a request's b
 
 class TokenBytes:
     """A request's tokens as one byte string, extended with the tokens added since its last use, so that a
-    match of the last n tokens is a search in C (bytearray.rfind) rather than an index kept per token."""
+    match of the last n tokens is a search in C (bytearray.rfind) rather than an index kept per token; and
+    where the last proposal copied from (copied_from, the position of its first token) when the request had
+    copied_at tokens."""
 
-    __slots__ = ("data", "length")
+    __slots__ = ("data", "length", "copied_from", "copied_at")
 
     def __init__(self):
         self.data, self.length = bytearray(), 0
+        self.copied_from: int | None = None
+        self.copied_at = 0
 
     def catch_up(self, tokens: list[int]) -> None:
         if len(tokens) > self.length:
@@ -45,10 +52,13 @@ class TokenBytes:
 
 
 class NgramDrafter:
-    """Prompt lookup: the longest of the request's last max_n..min_n tokens that occurred before, and what
-    followed its latest occurrence."""
+    """Prompt lookup: what follows the source the last proposal copied from, while the tokens since are that
+    source's; else the longest of the request's last max_n..min_n tokens that occurred before, and what followed
+    its latest occurrence. A single token (min_n 1) is a weaker clue than a few, but a request's drafts that it
+    misleads are accepted less and so drafted shorter (engine/speculation.py's draft_length), while a step where
+    nothing is found gains nothing at all."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 1, max_n: int = 4):
         self.lengths = range(max_n, min_n - 1, -1)  # longest match first
 
     def propose(self, seq, k: int) -> list[int]:
@@ -58,10 +68,27 @@ class NgramDrafter:
 
     def lookup(self, tokens: list[int], known: TokenBytes, k: int) -> list[int]:
         known.catch_up(tokens)
+        start = still_copying(tokens, known)
         for n in self.lengths:
-            if len(tokens) > n and (start := known.latest_match(n)) is not None:
-                return tokens[start:start + k]
-        return []
+            if start is not None:
+                break
+            if len(tokens) > n:
+                start = known.latest_match(n)
+        known.copied_from, known.copied_at = start, len(tokens)
+        return tokens[start:start + k] if start is not None else []
+
+
+def still_copying(tokens: list[int], known: TokenBytes) -> int | None:
+    """Where the copy of the last proposal's source goes on, if every token since that proposal is the source's
+    (the accepted draft tokens and the model's own next one), and the source has tokens left."""
+    source = known.copied_from
+    if source is None:
+        return None
+    added = len(tokens) - known.copied_at
+    follows = source + added
+    if follows >= len(tokens) or tokens[known.copied_at:] != tokens[source:follows]:
+        return None
+    return follows
 
 
 class SuffixState:
@@ -86,7 +113,7 @@ class SuffixDrafter:
     def __init__(self, depth: int = 8, capacity: int = 1 << 20, min_match: int = 2):
         self.depth, self.capacity = depth, capacity
         self.lengths = [depth >> i for i in range(depth.bit_length()) if depth >> i >= min_match]  # longest first
-        self.own = NgramDrafter()
+        self.own = NgramDrafter(min_n=2)  # a single token's match would pass over the trie's longer context
         self.next_counts: dict[tuple[int, ...], dict[int, int]] = {}
         self.spans: deque[tuple[list[int], int, int]] = deque()  # (a request's tokens, start, end), oldest first
         self.num_inserted = 0  # output tokens the spans hold

@@ -177,10 +177,11 @@ class EngineCore:
 
     def _measure(self, launched: LaunchedStep, sampled: list, drafting: bool) -> None:
         """Counts a step's verified drafts and times it for the speculator's choice of mode; a step of a batch
-        too large to draft is not measured (it costs nothing per request)."""
+        too large to draft is not measured (it costs nothing per request), nor one launched ahead for requests
+        that all finished meanwhile: the next step() call returns it, which may come after the engine idled."""
         if launched.drafts is not None:
             self.speculator.verified(launched.seqs, sampled)
-        if not self.speculator.may_draft(len(launched.seqs)):
+        if not self.speculator.may_draft(len(launched.seqs)) or all(seq.is_finished for seq in launched.seqs):
             self.speculator.step_skipped()
             return
         num_running = len(launched.seqs)
@@ -190,6 +191,7 @@ class EngineCore:
                          for tokens in sampled) - num_running
         else:  # no request verifies a draft: a decoding step computes one token per request, gains none
             decoding, gained = launched.num_tokens.count(1) == num_running, 0
+            self.speculator.check_aside(launched.seqs)
         self.speculator.step_done(num_running, drafting, decoding, gained)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:

@@ -30,8 +30,8 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "block_table", "block_hashes", "num_committed_blocks", "num_freed_blocks", "status", "params",
                  "stop_token_ids", "max_len", "finish_reason", "error", "constraint", "shares_prompt_with", "logprobs",
-                 "draft_token_ids", "draft_state", "acceptance", "draft_gain", "images", "prompt_logprobs",
-                 "rope_positions", "rope_delta")
+                 "draft_token_ids", "draft_state", "acceptance", "draft_gain", "aside_draft", "images",
+                 "prompt_logprobs", "rope_positions", "rope_delta")
 
     def __init__(self, request_id, prompt_token_ids: list[int], params: SamplingParams,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), constraint=None,
@@ -60,6 +60,7 @@ class Sequence:
         self.draft_state = None               # the drafter's own record of this request (engine/drafters.py)
         self.acceptance = INITIAL_ACCEPTANCE  # recent share of draft tokens the model accepted (moving average)
         self.draft_gain = INITIAL_DRAFT_GAIN  # recent draft tokens accepted per drafting step, misses as 0 (same)
+        self.aside_draft: tuple[int, list[int]] | None = None  # a draft checked on the side: (its position, tokens)
         self.images = images or []
         self.rope_positions = None
         self.rope_delta = 0

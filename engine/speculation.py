@@ -10,21 +10,28 @@ does not have spare.
 
 So speculation backs off by itself, per step:
 - per request, k follows its recent acceptance (as long as its last draft token stays likely to be accepted),
-  and its draft gain is the moving average of the draft tokens a drafting step accepted for it, a step where
-  the drafter found nothing counting 0;
+  and its draft gain is the moving average of the draft tokens a drafting step accepted for it (or would have:
+  see the drafts checked on the side below), a step where the drafter found nothing counting 0;
 - a batch of more than half max_num_seqs requests never drafts (most of its requests would get no row for a
   draft token, all of them would lose the overlap) and costs the speculator nothing per step: no
   measurement, no loop over its requests, no drafter bookkeeping (a drafter learns a request's tokens only
   when it proposes for it);
-- otherwise a step drafts when it is expected to make the typical request faster: per batch-size class
-  (batches of 2^(b-1)..2^b - 1 requests) the engine measures the seconds of a decoding step with drafts (not
-  overlapped, a row per draft token) and without, and a step drafts when one token plus the median request's
-  draft gain per drafting step beats one token per plain step by a margin. Each kind is timed over its runs
-  of consecutive steps, switches included (StepTimer). Timing the two kinds of step apart, rather than
-  tokens per second of each mode, keeps a phase where the drafter finds nothing (the start of an answer) from
-  condemning drafting for the rest of it. Acceptance is measured only by drafting, so while drafting does not
-  pay the step drafts now and then anyway (a probe), soon again after a probe that gained tokens, half as
-  often after one that gained none.
+- otherwise a step drafts when it is expected to make every request of the batch faster: per batch-size class
+  (batches of about 2^b requests: from 2^(b - 1/2) up to 2^(b + 1/2), so that a batch of a power of two keeps
+  its class while it drains) the engine measures the seconds of a decoding step with drafts (not overlapped,
+  a row per draft token) and without, and a step drafts when one token plus the draft gain of the request
+  that gains least beats one token per plain step by a margin. A drafting step slows every request of the
+  batch, so tokens that some requests gain (an answer that copies, one that loops) do not pay for the others
+  waiting longer: the slowest request sets when a batch is done, and a request that waits for a place in the
+  batch waits for the slowest too. Each kind is timed over its runs of consecutive steps, switches included
+  (StepTimer). Timing the two kinds of step apart, rather than tokens per second of each mode, keeps a phase
+  where the drafter finds nothing (the start of an answer) from condemning drafting for the rest of it.
+  A plain step keeps the draft gains current on the side: for a few of its requests (in turn) the drafter
+  proposes a draft, and once the tokens it guessed are decoded the draft counts as if it had been verified
+  (check_aside), so a request whose answer starts copying is seen to gain while no step drafts. The step
+  seconds of a kind are measured only by running it, so while drafting does not pay the step drafts now and
+  then anyway (a probe): soon again after a probe whose tokens paid for its step, half as often after one
+  whose tokens did not.
 """
 import math
 import operator
@@ -38,6 +45,7 @@ ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's moving acceptance a
 MIN_TOKEN_CHANCE = 0.1   # how likely a draft token must be to be accepted to be drafted (draft_length)
 MIN_EXPECTED_GAIN = 0.1  # draft tokens accepted per request and step below which a step does not draft
 PERIOD_MEMORY = 0.7      # weight of the past in a batch class's measured step seconds
+ASIDE_PER_STEP = 4       # requests whose drafts a plain step checks on the side (Speculator.check_aside)
 PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
 SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be, against measurement noise
 REFRESH_STEPS = 32       # a long run of one kind of step is recorded in parts of this many steps,
@@ -63,7 +71,7 @@ class StepPeriods:
                 return True
             if False not in self.seconds:
                 return False
-            if (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]:
+            if self.faster_drafting(num_running, gain):
                 return True
         self.plain_steps += 1
         if self.plain_steps < self.probe_after:
@@ -75,9 +83,18 @@ class StepPeriods:
         old = self.seconds.get(drafting)
         self.seconds[drafting] = seconds if old is None else PERIOD_MEMORY * old + (1 - PERIOD_MEMORY) * seconds
 
-    def drafted(self, gained: bool) -> None:
-        """After a drafting step: probe soon again if it gained tokens, half as often otherwise."""
-        self.probe_after = PROBE_AFTER_STEPS if gained else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
+    def faster_drafting(self, num_running: int, gain: float) -> bool:
+        """Whether a drafting step that gains `gain` tokens beyond one a request beats plain steps by the margin
+        in tokens per second (both kinds measured)."""
+        return (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]
+
+    def drafted(self, num_running: int, gained: int) -> None:
+        """After a drafting step that gained `gained` tokens beyond one a request: probe soon again if they paid
+        for the step (as far as measured), half as often otherwise, so that probes a batch never profits from
+        grow rare."""
+        paid = gained >= MIN_EXPECTED_GAIN * num_running and (
+            True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running, gained))
+        self.probe_after = PROBE_AFTER_STEPS if paid else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
 
 
 class StepTimer:
@@ -132,14 +149,15 @@ class Speculator:
         self.periods: dict[int, StepPeriods] = {}
         self.num_drafted = self.num_accepted = 0
         self.timer = StepTimer()
+        self.aside_turn = 0  # where in the batch the next plain step's drafts on the side start
 
     def decide(self, running: list[Sequence]) -> bool:
         """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
         if not self.adaptive:
             return True
-        if not self.may_draft(len(running)):
-            return False
-        return self._periods(len(running)).drafting_pays(len(running), typical_gain(running))
+        if not running or not self.may_draft(len(running)):
+            return False  # nothing to draft for (the last requests finished): a drafting step would only stall
+        return self._periods(len(running)).drafting_pays(len(running), least_gain(running))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
@@ -154,6 +172,7 @@ class Speculator:
             return
         rows_left = self.max_rows - len(running)
         for seq in running:
+            seq.aside_draft = None  # verified drafts count from here on
             if not draftable(seq.params):
                 seq.draft_gain = 0.0
             elif can_draft(seq):
@@ -164,6 +183,7 @@ class Speculator:
     def _propose_batch(self, running: list[Sequence]) -> None:
         rows_left, drafting, lengths = self.max_rows - len(running), [], []
         for seq in running:
+            seq.aside_draft = None
             if can_draft(seq):
                 k = self._draft_size(seq, rows_left)
                 seq.draft_token_ids = []
@@ -188,15 +208,42 @@ class Speculator:
             drafted, accepted = len(seq.draft_token_ids), len(tokens) - 1
             self.num_drafted += drafted
             self.num_accepted += accepted
-            seq.acceptance = ACCEPTANCE_MEMORY * seq.acceptance + (1 - ACCEPTANCE_MEMORY) * accepted / drafted
-            seq.draft_gain = ACCEPTANCE_MEMORY * seq.draft_gain + (1 - ACCEPTANCE_MEMORY) * accepted
+            count_verification(seq, drafted, accepted)
+
+    def check_aside(self, seqs: list[Sequence]) -> None:
+        """On a plain step: for ASIDE_PER_STEP of its requests in turn, counts a draft proposed on the side as
+        verified once the tokens it guessed are decoded (or one of them is not the guess), and proposes the
+        next. A drafter that proposes on the device (a draft model's) and a constrained request (whose drafts
+        its constraint cuts) keep the gains their verified drafts measured."""
+        if getattr(self.drafter, "batched", False) or not seqs:
+            return
+        start = self.aside_turn % len(seqs)
+        for i in range(start, start + min(ASIDE_PER_STEP, len(seqs))):
+            seq = seqs[i % len(seqs)]
+            if draftable(seq.params) and seq.constraint is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._check_aside(seq)
+        self.aside_turn = start + ASIDE_PER_STEP
+
+    def _check_aside(self, seq: Sequence) -> None:
+        if seq.aside_draft is not None:
+            position, draft = seq.aside_draft
+            decoded = seq.token_ids[position:position + len(draft)]
+            accepted = next((i for i, (a, b) in enumerate(zip(draft, decoded)) if a != b), len(decoded))
+            if accepted == len(decoded) < len(draft):
+                return  # the guess holds so far: its outcome is not known yet
+            count_verification(seq, len(draft), accepted)
+        k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids))
+        draft = self.drafter.propose(seq, k) if k > 0 else []
+        seq.aside_draft = (len(seq.token_ids), draft) if draft else None
+        if not draft:
+            count_miss(seq)
 
     def step_done(self, num_running: int, drafting: bool, decoding: bool, gained: int) -> None:
-        """Times a finished step (StepTimer); a drafting step tells when to probe next by whether it gained
-        tokens (gained: its tokens beyond one a request)."""
+        """Times a finished step (StepTimer); a drafting step tells when to probe next by whether its tokens
+        paid for it (gained: its tokens beyond one a request)."""
         periods = self._periods(num_running)
         if drafting:
-            periods.drafted(gained >= MIN_EXPECTED_GAIN * num_running)
+            periods.drafted(num_running, gained)
         self.timer.step(periods, drafting, decoding)
 
     def step_skipped(self) -> None:
@@ -205,7 +252,7 @@ class Speculator:
 
     def _periods(self, num_running: int) -> StepPeriods:
         """The step periods of a batch of this size (made on first use)."""
-        bucket = num_running.bit_length()
+        bucket = batch_class(num_running)
         periods = self.periods.get(bucket)
         if periods is None:
             periods = self.periods[bucket] = StepPeriods()
@@ -215,21 +262,36 @@ class Speculator:
         return {"spec_drafted_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted}
 
 
-def typical_gain(running: list[Sequence]) -> float:
-    """The draft tokens a step is expected to gain in all, counted as if every request gained as much as the
-    median one: a drafting step slows every request of the batch, so tokens that a few requests (an answer
-    looping, a quote) gain fast do not pay for the others waiting longer; the batch's slowest requests set when
-    it is done."""
-    gains = sorted(map(DRAFT_GAIN, running))
-    return len(gains) * gains[len(gains) // 2] if gains else 0.0
+def batch_class(num_running: int) -> int:
+    """The class b of a batch of about 2^b requests, the nearest power of two: floor(log2(n) + 1/2), that is
+    floor(log2(2 n^2) / 2)."""
+    return ((2 * num_running * num_running).bit_length() - 1) // 2
+
+
+def least_gain(running: list[Sequence]) -> float:
+    """The draft tokens a step is expected to gain in all, counted as if every request gained as little as the
+    one that gains least: a drafting step slows every request of the batch, so tokens that some requests (an
+    answer copying or looping) gain fast do not pay for the others waiting longer; the slowest request sets
+    when the batch is done."""
+    return len(running) * min(map(DRAFT_GAIN, running))
+
+
+def count_verification(seq: Sequence, drafted: int, accepted: int) -> None:
+    """Moves a request's acceptance and draft gain towards a verification's outcome."""
+    seq.acceptance = ACCEPTANCE_MEMORY * seq.acceptance + (1 - ACCEPTANCE_MEMORY) * accepted / drafted
+    seq.draft_gain = ACCEPTANCE_MEMORY * seq.draft_gain + (1 - ACCEPTANCE_MEMORY) * accepted
 
 
 def set_draft(seq: Sequence, draft: list[int]) -> None:
-    """A request's draft for the next step: the drafter's, cut where its constraint would reject a token. A
-    request for which the drafter found nothing gained nothing."""
+    """A request's draft for the next step: the drafter's, cut where its constraint would reject a token."""
     seq.draft_token_ids = valid_draft(seq.constraint, draft) if seq.constraint and draft else draft
     if not seq.draft_token_ids:
-        seq.draft_gain *= ACCEPTANCE_MEMORY
+        count_miss(seq)
+
+
+def count_miss(seq: Sequence) -> None:
+    """A request for which the drafter found nothing gained nothing."""
+    seq.draft_gain *= ACCEPTANCE_MEMORY
 
 
 def can_draft(seq: Sequence) -> bool:

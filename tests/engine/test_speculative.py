@@ -27,7 +27,7 @@ from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, draft_length
+from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, batch_class, draft_length
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from models import llama
@@ -230,6 +230,23 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert NgramDrafter().propose(Sequence(1, [1, 2, 3, 4], SamplingParams(), 64), 3) == []
 
 
+def test_ngram_drafter_falls_back_to_the_last_token_alone():
+    seq = Sequence(0, [5, 6, 7, 8, 6], SamplingParams(), 64)
+    assert NgramDrafter().propose(seq, 2) == [7, 8], "no pair matches: the last token does"
+
+
+def test_ngram_drafter_keeps_copying_from_where_its_last_proposal_copied():
+    """The last four tokens occurred latest elsewhere, followed by something else: a copy goes on from its own
+    source as long as the tokens since are the source's, and looks up anew once they are not."""
+    seq = Sequence(0, [7, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 9, 7, 1], SamplingParams(), 64)
+    drafter = NgramDrafter()
+    assert drafter.propose(seq, 2) == [2, 3], "7, 1 occurred once"
+    seq.token_ids += [2, 3, 4]  # two draft tokens accepted, and the model's own next one: the source's too
+    assert drafter.propose(seq, 2) == [5, 6], "the copy goes on (1, 2, 3, 4 occurred latest before 9)"
+    seq.token_ids += [5, 1]  # the model left the source
+    assert drafter.propose(seq, 2) == [2, 3], "looked up anew: 5, 1 did not occur, 1 latest before 2, 3"
+
+
 def test_ngram_drafter_matches_whole_tokens_only():
     """A token's bytes can repeat across two tokens; only a match aligned on tokens counts."""
     straddling = [1 << 24, 2 << 24, 0]  # native bytes 00 00 00 01 | 00 00 00 02 | 00 00 00 00
@@ -343,12 +360,12 @@ def test_back_off_drafts_when_its_tokens_come_faster_and_probes_less_and_less():
     for _ in range(2000):
         choices.append(periods.drafting_pays(4, 7.5))  # 11.5 tokens in 3 s lose
         if choices[-1]:
-            periods.drafted(gained=False)
+            periods.drafted(4, 0)
     assert choices.count(True) < 0.02 * len(choices), "plain steps are faster: drafting only on probes"
     probes = [i for i, drafting in enumerate(choices) if drafting]
     gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    periods.drafted(gained=True)
+    periods.drafted(4, 10)
     assert [periods.drafting_pays(4, 0.0) for _ in range(16)].count(True) == 1, "a probe that gained: soon again"
     periods.record(True, 1.0)
     assert periods.drafting_pays(4, 7.5) is True, "once drafting steps get cheaper, it runs"
@@ -390,6 +407,7 @@ def test_back_off_drafts_nothing_for_a_full_batch_or_hopeless_drafts():
     assert not speculator.decide(seqs), "no row is left for a draft token"
     assert not speculator.decide(seqs[:3]), "most requests would get no row for a draft token"
     assert speculator.decide(seqs[:2])
+    assert not speculator.decide([]), "the last requests finished: nothing to draft for"
     for seq in seqs[:2]:
         seq.draft_gain = 0.01
     assert not speculator.decide(seqs[:2]), "drafts that gain almost nothing"
@@ -404,15 +422,38 @@ def test_a_request_drafts_as_long_as_its_last_token_stays_likely_to_be_accepted(
     assert lengths == [1, 1, 3, 8, 8], "0.5^3 and 0.79^8 are over a tenth, 0.5^4 is not"
 
 
-def test_back_off_weighs_the_median_request_not_a_few_fast_ones():
-    """Drafts that only a minority of the batch gains from (answers looping) slow the rest: no drafting."""
+def test_a_probe_whose_tokens_do_not_pay_for_its_step_makes_probes_rarer():
+    """A probe that gains some tokens, but too few for the slower step, must not keep probes frequent: each
+    would cost a batch that never profits a step that is not overlapped."""
+    periods = StepPeriods()
+    periods.record(True, 3.0)
+    periods.record(False, 1.0)
+    soon = periods.probe_after
+    periods.drafted(4, 2)  # 6 tokens in 3 s against 4 a second
+    assert periods.probe_after == 2 * soon
+    periods.drafted(4, 10)  # 14 tokens in 3 s
+    assert periods.probe_after == soon
+
+
+def test_back_off_weighs_the_request_that_gains_least():
+    """Drafts that only part of the batch gains from (answers copying or looping) slow the rest, and the slowest
+    request sets when the batch is done: no drafting."""
     speculator = Speculator("ngram", 4, max_rows=64)
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0), 64) for i in range(5)]
-    for seq, gain in zip(seqs, (6.0, 6.0, 0.0, 0.0, 0.0)):
+    for seq, gain in zip(seqs, (6.0, 6.0, 6.0, 6.0, 0.0)):
         seq.num_computed_tokens, seq.draft_gain = 2, gain
-    assert not speculator.decide(seqs), "two of five gain many tokens, the median request none"
-    seqs[2].draft_gain = 1.0
-    assert speculator.decide(seqs), "three of five gain: a drafting step is timed first"
+    assert not speculator.decide(seqs), "four of five gain many tokens, one none"
+    seqs[4].draft_gain = 1.0
+    assert speculator.decide(seqs), "all five gain: a drafting step is timed first"
+
+
+def test_a_batch_keeps_its_class_while_it_drains_from_a_power_of_two():
+    """A batch of 16 or 64 that loses a request must not move to a class measured at other sizes (or not at
+    all, which starts the measuring over): classes are centred on powers of two."""
+    sizes = (1, 2, 3, 11, 12, 16, 22, 23, 45, 46, 64, 90, 91)
+    assert [batch_class(n) for n in sizes] == [0, 1, 2, 3, 4, 4, 4, 5, 5, 6, 6, 6, 7]
+    speculator = Speculator("ngram", 4, max_rows=256)
+    assert speculator._periods(16) is speculator._periods(13) is not speculator._periods(11)
 
 
 def attention_by_step(llm, monkeypatch) -> list[tuple[bool, set[bool]]]:
@@ -479,3 +520,75 @@ def test_a_gpu_engine_refuses_drafts_over_sliding_window_layers():
         check_speculation(config, on_gpu)
     check_speculation(config, SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=full)))
     check_speculation(config, SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=windowed)))
+
+
+def test_a_plain_step_counts_a_draft_on_the_side_once_its_tokens_are_decoded():
+    """While no step drafts, a request's draft gain follows what its drafts would have gained: a draft proposed
+    on the side counts as verified when the tokens it guessed are decoded, up to the first one guessed wrong."""
+    speculator = Speculator("ngram", 4, max_rows=8)
+    seq = Sequence(0, [5, 6, 7, 8, 9, 5, 6], SamplingParams(temperature=0), 64)
+    seq.num_computed_tokens, seq.draft_gain, seq.acceptance = len(seq.token_ids), 0.0, 1.0
+    periods = speculator._periods(1)
+    periods.record(True, 1.3)
+    periods.record(False, 1.0)
+    assert not speculator.decide([seq]), "no gain measured yet"
+    speculator.check_aside([seq])
+    assert seq.aside_draft == (7, [7, 8, 9, 5])
+    for token in (7, 8, 9):
+        seq.token_ids.append(token)
+        seq.num_computed_tokens += 1
+        speculator.check_aside([seq])
+        assert seq.draft_gain == 0.0, "the guess holds so far: not counted yet"
+    seq.token_ids.append(1)
+    speculator.check_aside([seq])
+    assert seq.draft_gain == pytest.approx(0.7 * 0.3 * 3), "three of four guessed tokens decoded; then a miss"
+    assert seq.aside_draft is None, "nothing follows 9, 1 earlier: the next draft found nothing"
+    assert speculator.decide([seq]), "1.63 tokens a drafting step beat one a plain step by the margin"
+    assert speculator.stats()["spec_drafted_tokens"] == 0, "drafts on the side are not drafts verified"
+
+
+def test_a_draft_on_the_side_guessed_wrong_at_once_counts_nothing():
+    speculator = Speculator("ngram", 4, max_rows=8)
+    seq = Sequence(0, [5, 6, 7, 8, 9, 5, 6], SamplingParams(temperature=0), 64)
+    seq.num_computed_tokens, seq.draft_gain, seq.acceptance = len(seq.token_ids), 1.0, 1.0
+    speculator.check_aside([seq])
+    seq.token_ids.append(2)
+    speculator.check_aside([seq])
+    assert seq.acceptance == pytest.approx(0.7), "none of four accepted"
+    assert seq.draft_gain == pytest.approx(0.7 * 0.7), "none accepted, then nothing found after 6, 2"
+
+
+def test_plain_steps_of_a_speculative_engine_check_drafts_on_the_side(tiny_llama, prompts, long_outputs,
+                                                                       monkeypatch):
+    """With drafting never paying, every step is plain: the drafts checked on the side move the gains, and
+    greedy outputs stay those without speculation."""
+    params, expected = long_outputs
+    monkeypatch.setattr(StepPeriods, "drafting_pays", lambda self, num_running, gain: False)
+    counted = []
+    monkeypatch.setattr("engine.speculation.count_verification", lambda seq, drafted, accepted: counted.append(
+        (drafted, accepted)))
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    assert outputs(llm, prompts, params) == expected
+    assert llm.core.stats()["spec_drafted_tokens"] == 0
+    assert counted and all(0 <= accepted <= drafted <= 3 for drafted, accepted in counted)
+    assert_all_blocks_free(llm)
+
+
+def test_time_the_engine_idles_between_requests_is_no_steps_time(tiny_llama, prompts, monkeypatch):
+    """A step launched ahead for a request that finished is returned by the next request's first step() call:
+    the idle time before it must not count as the seconds of a plain step."""
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr("engine.speculation.time.perf_counter", tick)
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    llm.core.overlap = True
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+    for prompt in prompts[:3]:
+        outputs(llm, [prompt], params)
+        clock[0] += 1e6  # idle
+    seconds = [s for periods in llm.core.speculator.periods.values() for s in periods.seconds.values()]
+    assert seconds and max(seconds) < 10
