@@ -16,6 +16,8 @@ activities) of replayed decode steps, per kernel name, in launches and microseco
 quick before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MAX_TOKENS (0: every step on the
 sorted path, as before direct routing) in this process and, through the environment variable
 DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only.
+--gpu-features portable launches without dependent launch, so the kernels' spans no longer overlap and each one's
+time is its own.
 
 Floors, at the copy bandwidth and bf16 matmul rate measured here:
 - a decode step of B sequences reads the dense weights (attention, routers, norms, LM head), the experts it
@@ -48,7 +50,7 @@ from latency import (
     time_per_output_token,
     time_to_first_token,
 )
-from random_model import config_only_model, draw_weights_at_load
+from random_model import add_gpu_features_argument, config_only_model, draw_weights_at_load
 from throughput import workload
 
 DIRECT_MAX_TOKENS_ENV = "MOE_MODEL_DIRECT_MAX_TOKENS"
@@ -195,6 +197,7 @@ def main():
                     help="only TPOT and the batch-1 kernel breakdown (no TTFT, throughput or MoE layer alone)")
     ap.add_argument("--direct-max-tokens", type=int, default=triton_moe.DIRECT_MAX_TOKENS,
                     help="steps of up to this many tokens route directly (0: all sorted by expert, as before)")
+    add_gpu_features_argument(ap)
     args = ap.parse_args()
     os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
     triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
@@ -207,7 +210,7 @@ def main():
     layers = moe_layer_rows(shape, bandwidth) if shape else []  # before the engine takes the GPU's memory
     torch.cuda.empty_cache()
     start = time.perf_counter()
-    llm = LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size, gpu_features=args.gpu_features)
     print(f"engine ready in {time.perf_counter() - start:.0f} s: weights "
           f"{sum(p.numel() * p.element_size() for p in llm.core.runner.model.parameters()) / 2**30:.2f} GiB, "
           f"{llm.core.stats()['num_total_blocks']} KV blocks", flush=True)
