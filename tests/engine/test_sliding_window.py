@@ -51,11 +51,21 @@ def test_prefix_hits_past_the_window(tiny_mistral, prompts_of_lengths):
     second = first + answer + prompts_of_lengths([9], seed=6)[0]
     core = llm.core
     seq = core.make_sequence(1, second, GREEDY)
+    admitted = []  # the request's block table as its prompt was admitted, before any step computes
+    allocate = core.block_manager.allocate
+
+    def recording_allocate(allocated_seq, *args, **kwargs):
+        taken = allocate(allocated_seq, *args, **kwargs)
+        if allocated_seq is seq and not admitted:
+            admitted.extend(seq.block_table)
+        return taken
+
+    core.block_manager.allocate = recording_allocate
     core.add(seq)
     core.step()
     assert seq.num_cached_tokens >= 80  # 10 of the 12 full blocks before the last token
     num_unread = (seq.num_cached_tokens - MISTRAL_WINDOW + 1) // BLOCK_SIZE
-    assert seq.block_table[:num_unread] == [FREED] * num_unread and FREED not in seq.block_table[num_unread:]
+    assert admitted[:num_unread] == [FREED] * num_unread and FREED not in admitted[num_unread:]
     while core.has_work():
         core.step()
     assert seq.output_token_ids == tiny_mistral.greedy(second, NEW)
