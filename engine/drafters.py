@@ -69,11 +69,9 @@ class NgramDrafter:
     def lookup(self, tokens: list[int], known: TokenBytes, k: int) -> list[int]:
         known.catch_up(tokens)
         start = still_copying(tokens, known)
-        for n in self.lengths:
-            if start is not None:
-                break
-            if len(tokens) > n:
-                start = known.latest_match(n)
+        if start is None:
+            start = next((found for n in self.lengths if len(tokens) > n
+                          and (found := known.latest_match(n)) is not None), None)
         known.copied_from, known.copied_at = start, len(tokens)
         return tokens[start:start + k] if start is not None else []
 

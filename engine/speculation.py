@@ -232,7 +232,7 @@ class Speculator:
             if accepted == len(decoded) < len(draft):
                 return  # the guess holds so far: its outcome is not known yet
             count_verification(seq, len(draft), accepted)
-        k = min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids))
+        k = self._draft_size(seq, rows_left=self.max_draft_tokens)  # a draft on the side takes no rows
         draft = self.drafter.propose(seq, k) if k > 0 else []
         seq.aside_draft = (len(seq.token_ids), draft) if draft else None
         if not draft:
