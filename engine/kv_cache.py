@@ -32,6 +32,7 @@ from models.loader import safetensors_files
 from models.parallel_layers import min_over_ranks, tp_rank, tp_size
 
 CALIBRATION_TOKENS = 512
+PROFILE_SEQUENCE_TOKENS = 1024  # the longest sequence of the profile step (profile_lengths says why)
 KV_SCALE_MARGIN = 4
 E4M3_MAX = torch.finfo(FP8_KV_CACHE_DTYPE).max
 
@@ -155,15 +156,24 @@ def blocks_fitting_gpu(model, config: EngineConfig, max_model_len: int, block_by
     return int(budget) // block_bytes
 
 
+def profile_lengths(num_tokens: int, max_model_len: int) -> list[int]:
+    """The sequences of the profile step: num_tokens tokens, in sequences of at most max_model_len and
+    PROFILE_SEQUENCE_TOKENS tokens. A step's activations grow with its tokens, not with how they split into
+    sequences (attention keeps no scores of a sequence's length squared, and a sequence of PROFILE_SEQUENCE_TOKENS
+    takes the tiles a longer one does), so longer sequences would measure the same peak and only add attention's
+    quadratic time to the start."""
+    longest = min(max_model_len, PROFILE_SEQUENCE_TOKENS)
+    return [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+
+
 @torch.inference_mode()
 def profile_forward(model, config: EngineConfig, max_model_len: int) -> None:
-    """The largest step the scheduler can build: max_num_batched_tokens in sequences of max_model_len, then
-    logits and sampling for max_num_seqs rows (which also compiles the one-pass sampler's kernel now rather
-    than at the first request)."""
+    """The largest step the scheduler can build, as far as memory goes: max_num_batched_tokens tokens
+    (profile_lengths), then logits and sampling for max_num_seqs rows (which also compiles the one-pass sampler's
+    kernel now rather than at the first request)."""
     device = next(model.parameters()).device
     num_tokens = config.max_num_batched_tokens
-    lengths = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
-    hidden, _ = forward_decoder(model, [[0] * n for n in lengths if n])
+    hidden, _ = forward_decoder(model, [[0] * n for n in profile_lengths(num_tokens, max_model_len)])
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:1].expand(num_rows, -1).contiguous())
     if logits is not None:  # tensor-parallel ranks other than 0 get no logits and do not sample

@@ -11,7 +11,6 @@ model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
 import inspect
 import itertools
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +23,6 @@ from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
 from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
-from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, batch_class, draft_length
@@ -500,26 +498,14 @@ def test_only_verification_steps_store_their_keys_before_attention(tiny_llama, p
 
 def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
     """Rows of a verification read only their own window; blocks behind the window of the first token left
-    to compute are freed after the rollback, never one a later row still reads. On the CPU: a GPU engine
-    refuses drafts over sliding-window layers (the next test)."""
+    to compute are freed after the rollback, never one a later row still reads."""
     params = SamplingParams(temperature=0, max_tokens=NEW)
-    expected = outputs(LLM(tiny_mistral.path, dtype="float32", device="cpu"), prompts, params)
-    llm = speculating(LLM(tiny_mistral.path, dtype="float32", device="cpu", speculative="ngram:k=6"),
+    expected = outputs(LLM(tiny_mistral.path, dtype="float32"), prompts, params)
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", speculative="ngram:k=6"),
                       CorruptedOracle(expected, VOCAB))
     assert outputs(llm, prompts, params) == expected
     assert llm.core.stats()["spec_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
-
-
-def test_a_gpu_engine_refuses_drafts_over_sliding_window_layers():
-    windowed = SimpleNamespace(sliding_window=8, layer_types=None, num_hidden_layers=2)
-    full = SimpleNamespace(sliding_window=None, layer_types=None, num_hidden_layers=2)
-    config = EngineConfig(model="-", device="cpu", speculative="ngram")
-    on_gpu = SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=windowed))
-    with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE=ngram is not supported yet on a GPU"):
-        check_speculation(config, on_gpu)
-    check_speculation(config, SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(config=full)))
-    check_speculation(config, SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=windowed)))
 
 
 def test_a_plain_step_counts_a_draft_on_the_side_once_its_tokens_are_decoded():
