@@ -34,6 +34,7 @@ def test_short_profile_sequences_reach_the_peak_of_one_long_sequence(tmp_path, m
         kv_cache.profile_forward(model, config, max_model_len)
         return torch.cuda.max_memory_allocated() - before
 
+    peak(max_model_len)  # the first step also allocates what stays allocated (cuBLAS's workspace): not measured
     one_sequence = peak(max_model_len)
     short_sequences = peak(256)
     assert one_sequence > 0
