@@ -17,6 +17,11 @@ of B), so that batch 1 is not one request's luck and a run is long enough to tim
 Each (workload, batch) runs with speculation off and then with each drafter on one engine (the speculator
 swapped between runs, the prefix cache emptied), after a warm-up of every mode; --runs rounds, the median.
 
+Under each row, where the run's time went: per batch class (of the running requests), the engine steps of each
+kind (plain, draft: verifying drafts, with how many of them the speculator chose as probes, prefill: computing
+prompt tokens) and the seconds they took in all, host work included (time_steps), so that a mode's loss
+against off shows in the class and kind where it is paid.
+
 Greedy outputs are compared with those of speculation off: the share of identical tokens (position by
 position over off's tokens) and the first position where a request's output differs. In bfloat16 a step's
 numerics depend on its rows (kernels and their split of the reduction are chosen by row count, and a
@@ -51,7 +56,7 @@ from transformers import AutoConfig, LlamaConfig
 
 import models.gguf_loader as gguf_loader
 from engine import LLM, SamplingParams
-from engine.speculation import Speculator
+from engine.speculation import Speculator, batch_class, prompts_next
 from models.eagle3 import Eagle3Head
 from models.llama import head_dim_of
 from models.rotary import rope_parameters
@@ -138,18 +143,75 @@ def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params
     core.draft_next = False  # the mode before may have left a drafting step to come
     core.block_manager.reset_prefix_cache()
     before = core.stats()
+    probes_before = probes(core.speculator)
     size = max(batch // 4, 1) if mode == "off/4" else batch
+    steps = time_steps(core)
     synchronize()
     started = time.perf_counter()
-    outputs = [out for i in range(0, len(prompts), size) for out in llm.generate(prompts[i:i + size],
-                                                                                 params[i:i + size])]
+    try:
+        outputs = [out for i in range(0, len(prompts), size) for out in llm.generate(prompts[i:i + size],
+                                                                                     params[i:i + size])]
+    finally:
+        del core.step, core._draft  # the engine's own again
     seconds = time.perf_counter() - started
     tokens = sum(len(out["token_ids"]) for out in outputs)
     stats = core.stats()
     drafted, accepted = (stats[key] - before[key] for key in ("spec_drafted_tokens", "spec_accepted_tokens"))
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "acceptance": accepted / drafted if drafted else 0.0, "drafted_per_token": drafted / tokens,
-            "outputs": [out["token_ids"] for out in outputs], "periods": step_periods(core.speculator)}
+            "outputs": [out["token_ids"] for out in outputs], "periods": step_periods(core.speculator),
+            "steps": steps_summary(steps, probes(core.speculator), probes_before)}
+
+
+def time_steps(core) -> dict[int, dict[str, list]]:
+    """Wraps the engine's step() for a run: each call's seconds (what it waits for the step it finishes, and the
+    host's work) add to the step's kind in its batch class (engine/speculation.py's batch_class, of the running
+    requests): {class: {kind: [steps, seconds]}}. Kinds: prefill (a row computes prompt tokens), draft (it
+    verifies drafts), plain."""
+    tally, step, draft = {}, core.step, core._draft
+    drafted = [False]
+
+    def recording_draft() -> bool:
+        drafted[0] = draft()
+        return drafted[0]
+
+    def recording_step():
+        running, in_flight = core.scheduler.running, core.in_flight
+        prefill = (max(in_flight.num_tokens) > 1 if in_flight is not None
+                   else bool(core.scheduler.waiting) or prompts_next(running, None))
+        drafted[0] = False
+        started = time.perf_counter()
+        results = step()
+        kind = "prefill" if prefill else "draft" if drafted[0] else "plain"
+        entry = tally.setdefault(batch_class(max(len(running), 1)), {}).setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - started
+        return results
+
+    core.step, core._draft = recording_step, recording_draft
+    return tally
+
+
+def probes(speculator: Speculator | None) -> dict[int, int]:
+    """The drafting steps the speculator chose as probes so far, per batch class."""
+    return {b: p.probes for b, p in speculator.periods.items()} if speculator else {}
+
+
+def steps_summary(tally: dict[int, dict[str, list]], probes_after: dict[int, int], probes_before: dict[int, int]
+                  ) -> str:
+    """Per batch class: steps and seconds of each kind (draft steps with the probes among them), and in all."""
+    parts, total = [], [0, 0.0]
+    for b, kinds in sorted(tally.items()):
+        fields = []
+        for kind in ("plain", "draft", "prefill"):
+            if kind in kinds:
+                count, seconds = kinds[kind]
+                total[0] += count
+                total[1] += seconds
+                probed = probes_after.get(b, 0) - probes_before.get(b, 0)
+                fields.append(f"{kind} {count}/{seconds:.3f}s" + (f" ({probed} probes)" if kind == "draft" else ""))
+        parts.append(f"{1 << b}: " + ", ".join(fields))
+    return "; ".join(parts) + f"; all {total[0]}/{total[1]:.3f}s"
 
 
 def step_periods(speculator: Speculator | None) -> str:
@@ -230,6 +292,7 @@ def workloads_table(args) -> None:
                              result["tok_s"] / base["tok_s"], 100 * result["acceptance"],
                              result["drafted_per_token"], same))
                 print(*rows[-1], result["periods"], flush=True)
+                print(f"  steps (class: kind count/seconds) {name} {batch} {mode}: {result['steps']}", flush=True)
     print(f"\n{'workload':8} {'batch':>5} {'mode':6} {'tokens':>7} {'s':>7} {'tok/s':>9} {'vs off':>6} "
           f"{'accept%':>7} {'draft/tok':>9} greedy")
     for row in rows:

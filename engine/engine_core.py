@@ -188,7 +188,8 @@ class EngineCore:
                          for tokens in sampled) - num_running
         else:  # no request verifies a draft: a decoding step computes one token per request, gains none
             decoding, gained = launched.num_tokens.count(1) == num_running, 0
-            self.speculator.check_aside(launched.seqs)
+            if self.speculator.could_pay(num_running):
+                self.speculator.check_aside(launched.seqs)
         self.speculator.step_done(num_running, drafting, decoding, gained)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[tuple[Sequence, None]]:
@@ -199,7 +200,7 @@ class EngineCore:
     def _launch_next(self, launched: LaunchedStep) -> LaunchedStep | None:
         """The step after `launched`, launched before its sampled ids are read, or None when the scheduler
         must wait for them."""
-        if self.speculator and self.speculator.decide(self.scheduler.running):
+        if self.speculator and self.speculator.decide(self.scheduler.running, launched):
             self.draft_next = True  # drafts need this step's tokens
             return None
         planned = self.scheduler.schedule_ahead(launched.seqs, launched.num_tokens, launched.sample_rows)

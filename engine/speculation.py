@@ -23,18 +23,24 @@ So speculation backs off by itself, per step:
   that gains least beats one token per plain step by a margin. A drafting step slows every request of the
   batch, so tokens that some requests gain (an answer that copies, one that loops) do not pay for the others
   waiting longer: the slowest request sets when a batch is done, and a request that waits for a place in the
-  batch waits for the slowest too. Each kind is timed over its runs of consecutive steps, switches included
-  (StepTimer). Timing the two kinds of step apart, rather than tokens per second of each mode, keeps a phase
-  where the drafter finds nothing (the start of an answer) from condemning drafting for the rest of it.
+  batch waits for the slowest too. For the same reason the requests share the step's rows for draft tokens
+  equally (a request left without a draft gains nothing), and a request is expected to gain no more than its
+  share; a step in which a request still computes its prompt does not draft at all.
+  Each kind is timed over its runs of consecutive steps, switches included (StepTimer), leaving out a step
+  far slower than its kind's others (a first step that compiles kernels). Timing the two kinds of step
+  apart, rather than tokens per second of each mode, keeps a phase where the drafter finds nothing (the start
+  of an answer) from condemning drafting for the rest of it.
   A plain step keeps the draft gains current on the side: for a few of its requests (in turn) the drafter
   proposes a draft, and once the tokens it guessed are decoded the draft counts as if it had been verified
   (check_aside), so a request whose answer starts copying is seen to gain while no step drafts. The step
   seconds of a kind are measured only by running it, so while drafting does not pay the step drafts now and
   then anyway (a probe): soon again after a probe whose tokens paid for its step, half as often after one
-  whose tokens did not.
+  whose tokens did not. Where drafting could not pay even if every request accepted its whole share (the
+  drafting step is that much slower), plain steps check nothing on the side and probes are the rarest.
 """
 import math
 import operator
+import statistics
 import time
 
 from engine.constraints import valid_draft
@@ -50,6 +56,7 @@ PROBE_AFTER_STEPS, MAX_PROBE_AFTER_STEPS = 16, 1024
 SWITCH_MARGIN = 1.15     # how much faster drafting must promise to be, against measurement noise
 REFRESH_STEPS = 32       # a long run of one kind of step is recorded in parts of this many steps,
 FIRST_STEPS = 4          # and of this many while its batch class has no time for that kind yet
+OUTLIER_FACTOR = 4       # a step this many times slower than its kind's usual ones is not timed (StepTimer)
 NO_SPECULATION = {"spec_drafted_tokens": 0, "spec_accepted_tokens": 0}  # the stats of an engine that never drafts
 DRAFT_GAIN = operator.attrgetter("draft_gain")
 
@@ -62,6 +69,7 @@ class StepPeriods:
         self.seconds: dict[bool, float] = {}
         self.plain_steps = 0  # steps that did not draft since the last that did
         self.probe_after = PROBE_AFTER_STEPS
+        self.probes = 0  # drafting steps chosen as probes (bench/speculative.py reports them)
 
     def drafting_pays(self, num_running: int, gain: float) -> bool:
         """Whether the next step of num_running requests expecting `gain` accepted draft tokens in all drafts:
@@ -77,6 +85,7 @@ class StepPeriods:
         if self.plain_steps < self.probe_after:
             return False
         self.plain_steps = 0
+        self.probes += 1
         return True
 
     def record(self, drafting: bool, seconds: float) -> None:
@@ -87,6 +96,12 @@ class StepPeriods:
         """Whether a drafting step that gains `gain` tokens beyond one a request beats plain steps by the margin
         in tokens per second (both kinds measured)."""
         return (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]
+
+    def could_pay(self, num_running: int, share: int) -> bool:
+        """Whether drafting steps, as measured, would beat plain ones if every request gained `share` tokens
+        (true while either kind is unmeasured)."""
+        return True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running,
+                                                                                             num_running * share)
 
     def drafted(self, num_running: int, gained: int) -> None:
         """After a drafting step that gained `gained` tokens beyond one a request: probe soon again if they paid
@@ -103,24 +118,28 @@ class StepTimer:
     is timed from the end of the step before it to the end of its last step: with overlap, the first plain step
     after a drafting one launches two forwards and the last one before a drafting step launches none, so one
     step's own period says little of its kind, while a run's total holds what each kind costs, its switches
-    included."""
+    included.
+
+    A step that takes more than OUTLIER_FACTOR times what its kind takes (the least of the class's recorded
+    period and its run's lower median) is left out of its run: the first step of a kind may compile kernels or
+    finish the warm-up's CUDA graphs, which says nothing of what the next steps cost, and the slow moving
+    average would keep a class from drafting for long."""
 
     def __init__(self):
         self.kind: bool | None = None  # the kind of the run being timed (True: drafting); None: none is
-        self.started = self.ended = 0.0
         self.last_end: float | None = None  # when the last step ended
-        self.steps = 0
+        self.step_seconds: list[float] = []  # the periods of the run's steps
         self.periods: StepPeriods | None = None  # where the run is recorded: its last step's batch class
 
     def step(self, periods: StepPeriods, drafting: bool, decoding: bool) -> None:
         now = time.perf_counter()
-        if not decoding or drafting is not self.kind or self.steps >= self.run_length(periods):
+        if not decoding or drafting is not self.kind or len(self.step_seconds) >= self.run_length(periods):
             self.close()
             if decoding and self.last_end is not None:
-                self.kind, self.started, self.steps = drafting, self.last_end, 0
+                self.kind = drafting
         if self.kind is not None:
-            self.steps += 1
-            self.ended, self.periods = now, periods
+            self.step_seconds.append(now - self.last_end)
+            self.periods = periods
         self.last_end = now
 
     def run_length(self, periods: StepPeriods) -> int:
@@ -133,9 +152,22 @@ class StepTimer:
         self.last_end = time.perf_counter()
 
     def close(self) -> None:
-        if self.kind is not None and self.steps:
-            self.periods.record(self.kind, (self.ended - self.started) / self.steps)
+        if self.kind is not None and self.step_seconds:
+            kept = typical(self.step_seconds, self.periods.seconds.get(self.kind))
+            if kept:
+                self.periods.record(self.kind, sum(kept) / len(kept))
         self.kind = None
+        self.step_seconds = []
+
+
+def typical(step_seconds: list[float], recorded: float | None) -> list[float]:
+    """The step periods of a run without its outliers: those over OUTLIER_FACTOR times the least of the recorded
+    period and the run's lower median (the median alone where nothing is recorded: a run's first step may be
+    its outlier). None may be left (a probe's one step, an outlier): a kind's cost drifts (contexts grow), it
+    does not jump, and the moving average follows a drift."""
+    usual = statistics.median_low(step_seconds)
+    limit = OUTLIER_FACTOR * (usual if recorded is None else min(usual, recorded))
+    return [seconds for seconds in step_seconds if seconds <= limit]
 
 
 class Speculator:
@@ -151,41 +183,59 @@ class Speculator:
         self.timer = StepTimer()
         self.aside_turn = 0  # where in the batch the next plain step's drafts on the side start
 
-    def decide(self, running: list[Sequence]) -> bool:
-        """Whether the next step drafts (see the module's docstring); counts as one step of its batch size."""
+    def decide(self, running: list[Sequence], in_flight=None) -> bool:
+        """Whether the next step drafts (see the module's docstring); counts as one step of its batch size.
+        in_flight: the step launched before it, not finished (its seqs and num_tokens), if any."""
         if not self.adaptive:
             return True
-        if not running or not self.may_draft(len(running)):
+        num_running = len(running)
+        if not running or not self.may_draft(num_running):
             return False  # nothing to draft for (the last requests finished): a drafting step would only stall
-        return self._periods(len(running)).drafting_pays(len(running), least_gain(running))
+        if prompts_next(running, in_flight):
+            return False
+        periods, share = self._periods(num_running), self.draft_share(num_running)
+        if not periods.could_pay(num_running, share):
+            periods.probe_after = MAX_PROBE_AFTER_STEPS  # no gain pays as measured: only the rarest probes
+        return periods.drafting_pays(num_running, least_gain(running, share))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
         return 2 * num_running <= self.max_rows
 
+    def draft_share(self, num_running: int) -> int:
+        """The draft tokens that every request of a batch this large gets at least, when all draft: an equal
+        share of the rows the step has beyond one a request (propose), k at most."""
+        return min(self.max_draft_tokens, (self.max_rows - num_running) // num_running)
+
+    def could_pay(self, num_running: int) -> bool:
+        """Whether drafting could pay at this batch size, as measured, if every request accepted all of its
+        share of draft tokens: where not, drafts checked on the side are work for nothing."""
+        return self._periods(num_running).could_pay(num_running, self.draft_share(num_running))
+
     def propose(self, running: list[Sequence]) -> None:
-        """Gives each decoding request that may draft its draft tokens for the next step, oldest first while the
-        step's rows last. A batched drafter (a draft model's) proposes for all of them in one call, each
-        request's k counted against the rows."""
+        """Gives each decoding request that may draft its draft tokens for the next step, each at most an equal
+        share of the rows left (fair_share): a request left without a draft would gain nothing, and the request
+        that gains least sets when the batch is done (least_gain). A batched drafter (a draft model's) proposes
+        for all of them in one call, each request's k counted against the rows."""
         if getattr(self.drafter, "batched", False):
             self._propose_batch(running)
             return
         rows_left = self.max_rows - len(running)
-        for seq in running:
+        for i, seq in enumerate(running):
             seq.aside_draft = None  # verified drafts count from here on
             if not draftable(seq.params):
                 seq.draft_gain = 0.0
             elif can_draft(seq):
-                k = self._draft_size(seq, rows_left)
+                k = self._draft_size(seq, fair_share(rows_left, len(running) - i))
                 set_draft(seq, self.drafter.propose(seq, k) if k > 0 else [])
                 rows_left -= len(seq.draft_token_ids)
 
     def _propose_batch(self, running: list[Sequence]) -> None:
         rows_left, drafting, lengths = self.max_rows - len(running), [], []
-        for seq in running:
+        for i, seq in enumerate(running):
             seq.aside_draft = None
             if can_draft(seq):
-                k = self._draft_size(seq, rows_left)
+                k = self._draft_size(seq, fair_share(rows_left, len(running) - i))
                 seq.draft_token_ids = []
                 if k > 0:
                     drafting.append(seq)
@@ -195,9 +245,10 @@ class Speculator:
             for seq, draft in zip(drafting, self.drafter.propose_batch(drafting, lengths)):
                 set_draft(seq, draft)
 
-    def _draft_size(self, seq: Sequence, rows_left: int) -> int:
-        """How many tokens a request drafts: by its acceptance, within its length limit and the step's rows."""
-        return min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows_left)
+    def _draft_size(self, seq: Sequence, rows: int) -> int:
+        """How many tokens a request drafts: by its acceptance, within its length limit and the rows it may
+        take."""
+        return min(draft_length(seq, self.max_draft_tokens), seq.max_len - len(seq.token_ids), rows)
 
     def verified(self, seqs: list[Sequence], sampled: list) -> None:
         """Counts a verification step's drafted and accepted tokens, per request and in total, before the
@@ -232,7 +283,7 @@ class Speculator:
             if accepted == len(decoded) < len(draft):
                 return  # the guess holds so far: its outcome is not known yet
             count_verification(seq, len(draft), accepted)
-        k = self._draft_size(seq, rows_left=self.max_draft_tokens)  # a draft on the side takes no rows
+        k = self._draft_size(seq, rows=self.max_draft_tokens)  # a draft on the side takes no rows
         draft = self.drafter.propose(seq, k) if k > 0 else []
         seq.aside_draft = (len(seq.token_ids), draft) if draft else None
         if not draft:
@@ -268,12 +319,32 @@ def batch_class(num_running: int) -> int:
     return ((2 * num_running * num_running).bit_length() - 1) // 2
 
 
-def least_gain(running: list[Sequence]) -> float:
+def prompts_next(running: list[Sequence], in_flight) -> bool:
+    """Whether a running request computes more than one token in the next step (a prompt, or a recomputation,
+    that the step in flight does not finish). Such a step does not draft: that request gains nothing from
+    drafts (least_gain), and a drafting step costs every request the overlap. in_flight: the step in flight
+    (its seqs and num_tokens), or None."""
+    if in_flight is None:
+        return any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in running)
+    if len(in_flight.seqs) == len(running) and in_flight.num_tokens.count(1) == len(running):
+        return False  # every running request decodes in the step in flight
+    computing = dict(zip(map(id, in_flight.seqs), in_flight.num_tokens))
+    return any(seq.num_computed_tokens + computing.get(id(seq), 0) < len(seq.token_ids) - 1 for seq in running)
+
+
+def least_gain(running: list[Sequence], share: int) -> float:
     """The draft tokens a step is expected to gain in all, counted as if every request gained as little as the
     one that gains least: a drafting step slows every request of the batch, so tokens that some requests (an
     answer copying or looping) gain fast do not pay for the others waiting longer; the slowest request sets
-    when the batch is done."""
-    return len(running) * min(map(DRAFT_GAIN, running))
+    when the batch is done. A request gains at most its share of the step's draft rows (its draft gain was
+    measured with drafts up to k long)."""
+    return len(running) * min(min(map(DRAFT_GAIN, running)), share)
+
+
+def fair_share(rows_left: int, requests_left: int) -> int:
+    """The draft rows a request may take: an equal share of those left among the requests left (rounded up,
+    so that a step short of rows drafts for the oldest)."""
+    return -(-rows_left // requests_left)
 
 
 def count_verification(seq: Sequence, drafted: int, accepted: int) -> None:

@@ -11,6 +11,7 @@ model's, by a chi-square test on a tiny vocabulary."""
 import asyncio
 import inspect
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -25,7 +26,16 @@ from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from engine.speculation import FIRST_STEPS, Speculator, StepPeriods, StepTimer, batch_class, draft_length
+from engine.speculation import (
+    FIRST_STEPS,
+    MAX_PROBE_AFTER_STEPS,
+    PROBE_AFTER_STEPS,
+    Speculator,
+    StepPeriods,
+    StepTimer,
+    batch_class,
+    draft_length,
+)
 from handler.grammar import GrammarConstraint
 from handler.logs import speculation_summary
 from models import llama
@@ -583,3 +593,80 @@ def test_time_the_engine_idles_between_requests_is_no_steps_time(tiny_llama, pro
         clock[0] += 1e6  # idle
     seconds = [s for periods in llm.core.speculator.periods.values() for s in periods.seconds.values()]
     assert seconds and max(seconds) < 10
+
+
+def test_a_step_far_slower_than_the_others_of_its_kind_is_not_timed(monkeypatch):
+    """The first drafting step may compile kernels or capture graphs: neither it, nor a later probe that is as
+    slow, enters the class's drafting time, while its run's usual steps do."""
+    clock = iter(itertools.accumulate([0.0, 0.3, 0.002, 0.002, 0.002, 0.001, 0.001, 0.5, 0.001]))
+    monkeypatch.setattr("engine.speculation.time.perf_counter", clock.__next__)
+    periods, timer = StepPeriods(), StepTimer()
+    timer.step(periods, drafting=True, decoding=False)  # a prefill step
+    for drafting in (True,) * FIRST_STEPS + (False, False):  # the first drafting step takes 0.3 s
+        timer.step(periods, drafting, decoding=True)
+    assert periods.seconds[True] == pytest.approx(0.002)
+    timer.step(periods, drafting=True, decoding=True)  # a probe after the plain run: 0.5 s
+    timer.step(periods, drafting=False, decoding=True)
+    assert periods.seconds == pytest.approx({True: 0.002, False: 0.001})
+
+
+def fresh_decoding(n: int, draft_gain: float = 8.0) -> list[Sequence]:
+    seqs = [Sequence(i, [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(temperature=0), 64) for i in range(n)]
+    for seq in seqs:
+        seq.num_computed_tokens, seq.acceptance, seq.draft_gain = len(seq.token_ids) - 1, 1.0, draft_gain
+    return seqs
+
+
+def test_a_step_short_of_rows_shares_them_equally_among_its_drafts():
+    """Rows left to a few requests leave the others without a draft: they gain nothing, and the request that
+    gains least sets when the batch is done."""
+    speculator = Speculator("ngram", 8, max_rows=12)
+    seqs = fresh_decoding(4)
+    speculator.propose(seqs)
+    assert [len(seq.draft_token_ids) for seq in seqs] == [2, 2, 2, 2]
+    speculator = Speculator("ngram", 8, max_rows=7)
+    speculator.propose(seqs)
+    assert [len(seq.draft_token_ids) for seq in seqs] == [1, 1, 1, 0], "short of rows: the oldest first"
+
+
+def test_back_off_expects_no_request_to_gain_more_than_its_share_of_the_rows():
+    """Requests that gained 8 tokens a drafting step when they had the rows gain 3 at most where 64 share the
+    192 rows left: that does not pay for a step 4 times slower, and not even a probe could."""
+    speculator = Speculator("ngram", 8, max_rows=256)
+    periods = speculator._periods(64)
+    periods.record(True, 4.0)
+    periods.record(False, 1.0)
+    assert speculator.draft_share(64) == 3 and not speculator.could_pay(64)
+    assert not any(speculator.decide(fresh_decoding(64)) for _ in range(PROBE_AFTER_STEPS + 1))
+    assert periods.probe_after == MAX_PROBE_AFTER_STEPS
+    periods.record(True, 1.5)
+    periods.record(True, 1.5)
+    assert speculator.could_pay(64) and speculator.decide(fresh_decoding(64)), "a cheaper drafting step pays"
+
+
+def test_a_step_with_prompt_tokens_to_compute_does_not_draft():
+    """A request whose prompt the next step still computes gains nothing from drafts, and a drafting step would
+    cost the batch its overlap; once the step in flight finishes the prompt, the next one may draft."""
+    speculator = Speculator("ngram", 4, max_rows=8)
+    seqs = fresh_decoding(2)
+    seqs[1].num_computed_tokens = 4  # 6 prompt tokens to compute
+    assert not speculator.decide(seqs)
+    chunk = types.SimpleNamespace(seqs=seqs, num_tokens=[1, 4])
+    assert not speculator.decide(seqs, chunk), "a chunk in flight that leaves two prompt tokens"
+    chunk.num_tokens = [1, 5]
+    assert speculator.decide(seqs, chunk), "the step in flight leaves the prompt's last token: the next decodes it"
+
+
+def test_plain_steps_check_no_drafts_on_the_side_where_drafting_cannot_pay(tiny_llama, prompts, long_outputs,
+                                                                           monkeypatch):
+    """Where drafting steps cost far more than a whole draft could gain, drafts checked on the side are host
+    work for nothing."""
+    params, expected = long_outputs
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    for b in range(4):  # every class a batch of these prompts has
+        llm.core.speculator._periods(1 << b).seconds = {True: 100.0, False: 1.0}
+    checked = []
+    monkeypatch.setattr(Speculator, "check_aside", lambda self, seqs: checked.append(len(seqs)))
+    assert outputs(llm, prompts, params) == expected
+    assert not checked and llm.core.stats()["spec_drafted_tokens"] == 0
+    assert_all_blocks_free(llm)
