@@ -307,8 +307,8 @@ def _decode_kernel(
                  mask=row_mask[:, None])
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=row_mask)
         _merge_if_last(arrivals_ptr + seq * num_kv_heads + kv_head, part_out_ptr, part_lse_ptr, out_group, first_row,
-                       tl.cdiv(span, chunk), num_splits, stride_oh, sinks_ptr + kv_head * GROUP, GROUP, HEAD_DIM,
-                       SPLITS_BLOCK, HAS_SINKS)
+                       tl.cdiv(span, chunk), num_splits, stride_oh, sinks_ptr + kv_head * GROUP, GROUP,
+                       GROUP_BLOCK, HEAD_DIM, SPLITS_BLOCK, HAS_SINKS)
 
 
 @triton.jit
@@ -345,31 +345,45 @@ def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, 
 
 @triton.jit
 def _merge_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, num_splits, stride_oh,
-                   sinks_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                   HAS_SINKS: tl.constexpr):
+                   sinks_ptr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   SPLITS_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Counts this split's arrival; the last of the num_used splits of its (sequence, KV head) merges all
     their partial outputs by log-sum-exp (the result does not depend on which split came last), the heads'
     sinks (from sinks_ptr, the group's first) joining the denominator, and sets the counter back to zero for
-    the next launch. first_row: the group's first head's partial row of split 0."""
+    the next launch. first_row: the group's first head's partial row of split 0.
+    The merge walks the splits with every head of the group at once and stores once at the end: a walk over
+    the heads, storing each head's output before loading the next one's partials, waited for each load in turn."""
     if is_last_arrival(arrivals_ptr, num_used):
-        splits = tl.arange(0, SPLITS_BLOCK)
-        used = splits < num_used
+        heads = tl.arange(0, GROUP_BLOCK)
+        in_group = heads < GROUP
         dims = tl.arange(0, HEAD_DIM)
-        for head in tl.static_range(GROUP):  # .cg: the other splits' partials are in L2, not in this SM's L1
-            rows = first_row + head * num_splits + splits
+        peak = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
+        acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
+        for split in tl.static_range(SPLITS_BLOCK):  # .cg: the other splits' partials are in L2, not in this L1
+            used = in_group & (heads * 0 + split < num_used)
+            rows = first_row + heads * num_splits + split
             lse = tl.load(part_lse_ptr + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
-            peak = tl.max(lse, 0)
-            if HAS_SINKS:
-                sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # to base 2, as the lse
-                peak = tl.maximum(peak, sink)
-            weight = tl.exp2(lse - peak)
-            total = tl.sum(weight, 0)
-            if HAS_SINKS:
-                total += tl.exp2(sink - peak)
             part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0,
                            cache_modifier=".cg")
-            out = tl.sum(part * weight[:, None], 0) / total
-            tl.store(out_ptr + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+            acc, total, peak = _fold_part(acc, total, peak, part, lse)
+        if HAS_SINKS:  # a sink joins the denominator as a key whose value is zero
+            sink = tl.load(sinks_ptr + heads, mask=in_group, other=0.0).to(tl.float32) * 1.4426950408889634
+            acc, total, peak = _fold_part(acc, total, peak, tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32), sink)
+        total = tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + heads[:, None] * stride_oh + dims[None, :], (acc / total[:, None]).to(
+            out_ptr.dtype.element_ty), mask=in_group[:, None])
+
+
+@triton.jit
+def _fold_part(acc, total, peak, part, lse):
+    """Adds a normalised partial output `part` with log2-sum-exp `lse` (per head; -inf: none) to the running
+    (acc, total, peak): acc / total is the merge so far, both scaled by 2^-peak."""
+    new_peak = tl.maximum(peak, lse)
+    base = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+    alpha = tl.exp2(peak - base)
+    weight = tl.exp2(lse - base)
+    return acc * alpha[:, None] + part * weight[:, None], total * alpha + weight, new_peak
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for any batch: no compiles mid-serving
