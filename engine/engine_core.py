@@ -239,7 +239,8 @@ def decoding_only(seqs: list[Sequence], num_tokens: list[int]) -> bool:
 
 def check_speculation(config: EngineConfig, runner: ModelRunner) -> None:
     """Verification steps over sliding-window layers pass on the CPU but hit an illegal memory access on the GPU
-    now and then (bench/RESULTS.md): until that is found, a GPU engine refuses them."""
+    now and then (bench/RESULTS.md): until a GPU run shows the likely cause fixed (StepBuffers.stage's padding
+    rows), a GPU engine refuses them."""
     if runner.device.type == "cuda" and any(layer_windows(runner.model.config)):
         raise ValueError(f"HFENDPOINT_SPECULATIVE={config.speculative} is not supported yet on a GPU for a model "
                          "with sliding-window layers; set HFENDPOINT_SPECULATIVE=off")

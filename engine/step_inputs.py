@@ -146,7 +146,7 @@ class StepBuffers:
         appends (freeing replaces the list; a block freed behind a sliding window turns FREED in place), so a
         row that held this list before writes only its new blocks: a decode step writes nothing or the block it
         just got. Columns past a row's blocks, and entries behind its window (old ids or FREED), are stale, and
-        attention never reads them."""
+        attention never reads them, but a padding row reads its first column (stage)."""
         owners, lengths, tables = self.table_owners, self.table_lengths, self.block_tables
         for row, seq in enumerate(seqs):
             blocks = seq.block_table
@@ -220,6 +220,8 @@ class StepBuffers:
         ints[:num_rows + 1] = cu_seqlens
         ints[lens_at:lens_at + num_attending] = attended
         ints[lens_at + num_attending:lens_at + num_rows] = 1
+        read_by_padding = tables[num_attending:num_rows, 0]  # a padding row attends to the key at position 0
+        read_by_padding[read_by_padding < 0] = 0  # a stale row's block freed behind a window: any block will do
         columns = -(-int(seq_lens.max(initial=0)) // self.block_size)
         is_decode = graph.is_decode if graph else bool((row_counts == 1).all())
         order_at = lens_at + aligned(num_rows)

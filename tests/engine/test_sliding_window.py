@@ -2,10 +2,15 @@
 with prompts longer than the window (plain, chunked prefill, prefix hits, a preempting pool), and the blocks
 that fall out of a running request's window go back to the pool exactly when no query can read them again."""
 import pytest
+import torch
+from test_graph_padding import with_eager_graphs
+from test_speculative import VOCAB, speculating
 
 from engine import LLM, SamplingParams
 from engine.block_manager import FREED
+from kernels import reference
 from random_decoders import MISTRAL_WINDOW
+from speculative_testing import CorruptedOracle
 
 BLOCK_SIZE = 8  # the window (20) spans parts of 3 or 4 blocks: most of a long request's blocks are freed
 LENGTHS = [30, 45, 61, 70]
@@ -92,3 +97,30 @@ def test_free_blocks_follow_the_window_exactly(tiny_mistral, prompts_of_lengths,
     assert max(held_blocks(computed) for computed, _ in counts) <= 4  # a 200-token context in 4 blocks of 8
     assert seq.output_token_ids == tiny_mistral.greedy(prompt, 150)
     assert core.block_manager.num_free_blocks == total
+
+
+def test_padding_rows_of_a_graph_never_read_a_block_freed_behind_a_window(tiny_mistral, prompts_of_lengths,
+                                                                          monkeypatch):
+    """A decode graph's padding rows attend to the first key of whatever table row they are staged over: a row
+    left by a request whose first blocks fell out of its window holds FREED there, which the GPU's kernels would
+    read as a block at a negative address. With requests ending at different lengths (the batch shrinks below a
+    graph's size) and verification steps staged a row per token, every block read is a block."""
+    freed_reads = []
+    gather = reference._gather_blocks
+
+    def checked(cache, tables, first_blocks, ends, num_blocks):
+        last = (ends.long() - 1).clamp(min=0) // cache.shape[1]
+        read = tables.gather(1, torch.minimum(first_blocks[:, None].long() + torch.arange(num_blocks), last[:, None]))
+        freed_reads.extend(read[read == FREED].tolist())
+        return gather(cache, tables, first_blocks, ends, num_blocks)
+
+    prompts = prompts_of_lengths(LENGTHS)
+    lengths = [NEW, 12, 25, 33]
+    expected = [tiny_mistral.greedy(prompt, n) for prompt, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", block_size=BLOCK_SIZE, speculative="ngram:k=4"),
+                      CorruptedOracle(expected, VOCAB))
+    with_eager_graphs(llm)
+    monkeypatch.setattr(reference, "_gather_blocks", checked)
+    assert generated(llm, prompts, params) == expected
+    assert not freed_reads
