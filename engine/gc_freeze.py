@@ -6,16 +6,10 @@ tensor-parallel rank): a frozen object that later becomes cyclic garbage is neve
 somebody else's process (LLM) leaves its heap alone.
 
 Most of those objects are made by the imports (modules, classes, functions). The handler imports with the automatic
-collection off (each full collection while imports run scans every object imported so far), then collects once and
-freezes them (freeze_imported_objects): they are out of the way of the collections while the model loads and of the
-full collection at the end of startup, which then scans only what loading made."""
+collection off (each full collection while imports run scans every object imported so far), then collects and
+freezes once right after them and once more at the end of startup: the imports' objects are out of the way of the
+collections while the model loads, and the last collection scans only what loading made."""
 import gc
-
-
-def freeze_imported_objects() -> None:
-    """Collects what the imports left as garbage, then freezes every surviving object."""
-    gc.collect()
-    gc.freeze()
 
 
 def freeze_startup_objects() -> None:

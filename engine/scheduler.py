@@ -141,9 +141,8 @@ class Scheduler:
     def _all_end_in_flight(self, in_flight: list[Sequence], sample_rows: list[int]) -> bool:
         """Whether no request waits and every running one samples in the step in flight a token that reaches its
         length limit (Sequence.append_token finishes it, whatever the token)."""
-        sampling = [in_flight[row] for row in sample_rows]
-        return (not self.waiting and len(sampling) == len(self.running)
-                and all(len(seq) + 1 >= seq.max_len for seq in sampling))
+        return (not self.waiting and len(sample_rows) == len(self.running)
+                and all(len(in_flight[row]) + 1 >= in_flight[row].max_len for row in sample_rows))
 
     def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None],
                logprobs: list | None = None) -> list[tuple[Sequence, int | None]]:

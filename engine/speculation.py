@@ -97,18 +97,16 @@ class StepPeriods:
         in tokens per second (both kinds measured)."""
         return (num_running + gain) * self.seconds[False] > SWITCH_MARGIN * num_running * self.seconds[True]
 
-    def could_pay(self, num_running: int, share: int) -> bool:
-        """Whether drafting steps, as measured, would beat plain ones if every request gained `share` tokens
+    def beats_plain(self, num_running: int, gain: float) -> bool:
+        """Whether a drafting step that gains `gain` tokens beyond one a request beats plain steps as measured
         (true while either kind is unmeasured)."""
-        return True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running,
-                                                                                             num_running * share)
+        return True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running, gain)
 
     def drafted(self, num_running: int, gained: int) -> None:
         """After a drafting step that gained `gained` tokens beyond one a request: probe soon again if they paid
         for the step (as far as measured), half as often otherwise, so that probes a batch never profits from
         grow rare."""
-        paid = gained >= MIN_EXPECTED_GAIN * num_running and (
-            True not in self.seconds or False not in self.seconds or self.faster_drafting(num_running, gained))
+        paid = gained >= MIN_EXPECTED_GAIN * num_running and self.beats_plain(num_running, gained)
         self.probe_after = PROBE_AFTER_STEPS if paid else min(2 * self.probe_after, MAX_PROBE_AFTER_STEPS)
 
 
@@ -193,10 +191,10 @@ class Speculator:
             return False  # nothing to draft for (the last requests finished): a drafting step would only stall
         if prompts_next(running, in_flight):
             return False
-        periods, share = self._periods(num_running), self.draft_share(num_running)
-        if not periods.could_pay(num_running, share):
+        periods = self._periods(num_running)
+        if not self.could_pay(num_running):
             periods.probe_after = MAX_PROBE_AFTER_STEPS  # no gain pays as measured: only the rarest probes
-        return periods.drafting_pays(num_running, least_gain(running, share))
+        return periods.drafting_pays(num_running, least_gain(running, self.draft_share(num_running)))
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a batch this large leaves every request a row for a draft token, on average."""
@@ -210,7 +208,7 @@ class Speculator:
     def could_pay(self, num_running: int) -> bool:
         """Whether drafting could pay at this batch size, as measured, if every request accepted all of its
         share of draft tokens: where not, drafts checked on the side are work for nothing."""
-        return self._periods(num_running).could_pay(num_running, self.draft_share(num_running))
+        return self._periods(num_running).beats_plain(num_running, num_running * self.draft_share(num_running))
 
     def propose(self, running: list[Sequence]) -> None:
         """Gives each decoding request that may draft its draft tokens for the next step, each at most an equal

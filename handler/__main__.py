@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()  # the imports make long-lived objects: collected once after them, not over and over as they run
     try:
         from engine import EngineConfig, startup_log  # imported after the arguments are checked: torch takes seconds
-        from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
+        from engine.gc_freeze import freeze_startup_objects
         from handler.model_source import ModelNotFound, resolve_model
         from handler.settings import HandlerSettings
-        freeze_imported_objects()
+        freeze_startup_objects()  # the imports' objects, before loading makes more
     finally:
         gc.enable()
     try:

@@ -24,6 +24,7 @@ REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 READ_CHUNK_BYTES = 1 << 16
 ALLOWED_NETWORKS_VARIABLE = "HFENDPOINT_IMAGE_URL_ALLOWED_NETWORKS"
 
+
 class ImageFetcher:
     """Gathers a request's image parts: data URLs checked and kept, http(s) URLs fetched within the limits of
     `settings` (handler/settings.py's HandlerSettings)."""

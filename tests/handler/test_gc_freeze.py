@@ -36,14 +36,14 @@ class Node:
 
 
 def test_garbage_made_after_the_early_freeze_is_collected_at_the_end_of_startup():
-    """The handler freezes the imports' objects at once (freeze_imported_objects); what loading makes after that
+    """The handler freezes the imports' objects at once (a first freeze_startup_objects); what loading makes after that
     and leaves as cyclic garbage is still collected by the full collection before serving, and the objects frozen
     early stay frozen."""
-    from engine.gc_freeze import freeze_imported_objects, freeze_startup_objects
+    from engine.gc_freeze import freeze_startup_objects
 
     kept = Node()
     try:
-        freeze_imported_objects()
+        freeze_startup_objects()
         assert not any(obj is kept for obj in gc.get_objects())  # frozen: out of the collector's generations
         garbage = weakref.ref(Node())  # a cycle: only a collection frees it
         assert garbage() is not None
