@@ -15,7 +15,6 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculation import NO_SPECULATION, Speculator
 from engine.tensor_parallel import TensorParallelRanks
-from models.llama import layer_windows
 from models.model_files import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -40,8 +39,6 @@ class EngineCore:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.overlap = config.overlap_steps
         self.in_flight: LaunchedStep | None = None  # launched, not yet finished
-        if config.num_speculative_tokens:
-            check_speculation(config, self.runner)
         self.speculator = (Speculator(config.speculative_method, config.num_speculative_tokens, config.max_num_seqs,
                                       self.runner.drafter) if config.num_speculative_tokens else None)
         self.draft_next = False  # the step after the one in flight drafts (so it was not launched ahead)
@@ -235,12 +232,3 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
 def decoding_only(seqs: list[Sequence], num_tokens: list[int]) -> bool:
     """Whether every row of a step decodes: one token, plus the draft tokens it verifies (no prompt chunk)."""
     return all(n == 1 + len(seq.draft_token_ids) for seq, n in zip(seqs, num_tokens))
-
-
-def check_speculation(config: EngineConfig, runner: ModelRunner) -> None:
-    """Verification steps over sliding-window layers pass on the CPU but hit an illegal memory access on the GPU
-    now and then (bench/RESULTS.md): until a GPU run shows the likely cause fixed (StepBuffers.stage's padding
-    rows), a GPU engine refuses them."""
-    if runner.device.type == "cuda" and any(layer_windows(runner.model.config)):
-        raise ValueError(f"HFENDPOINT_SPECULATIVE={config.speculative} is not supported yet on a GPU for a model "
-                         "with sliding-window layers; set HFENDPOINT_SPECULATIVE=off")

@@ -24,7 +24,6 @@ from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
 from engine.cuda_graphs import CudaGraphs, GraphShape
 from engine.drafters import NgramDrafter, SuffixDrafter
-from engine.engine_core import check_speculation
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.speculation import (
@@ -509,27 +508,14 @@ def test_only_verification_steps_store_their_keys_before_attention(tiny_llama, p
 
 def test_a_sliding_window_model_verifies_drafts_and_frees_blocks_behind_its_window(tiny_mistral, prompts):
     """Rows of a verification read only their own window; blocks behind the window of the first token left
-    to compute are freed after the rollback, never one a later row still reads. On the CPU: a GPU engine
-    refuses drafts over sliding-window layers (the next test)."""
+    to compute are freed after the rollback, never one a later row still reads."""
     params = SamplingParams(temperature=0, max_tokens=NEW)
-    expected = outputs(LLM(tiny_mistral.path, dtype="float32", device="cpu"), prompts, params)
-    llm = speculating(LLM(tiny_mistral.path, dtype="float32", device="cpu", speculative="ngram:k=6"),
+    expected = outputs(LLM(tiny_mistral.path, dtype="float32"), prompts, params)
+    llm = speculating(LLM(tiny_mistral.path, dtype="float32", speculative="ngram:k=6"),
                       CorruptedOracle(expected, VOCAB))
     assert outputs(llm, prompts, params) == expected
     assert llm.core.stats()["spec_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
-
-
-def test_a_gpu_engine_refuses_drafts_over_sliding_window_layers():
-    def runner(device: str, sliding_window: int | None):
-        config = types.SimpleNamespace(sliding_window=sliding_window, layer_types=None, num_hidden_layers=2)
-        return types.SimpleNamespace(device=torch.device(device), model=types.SimpleNamespace(config=config))
-
-    config = EngineConfig(model="-", device="cpu", speculative="ngram")
-    with pytest.raises(ValueError, match="HFENDPOINT_SPECULATIVE=ngram is not supported yet on a GPU"):
-        check_speculation(config, runner("cuda", 8))
-    check_speculation(config, runner("cuda", None))
-    check_speculation(config, runner("cpu", 8))
 
 
 def test_a_plain_step_counts_a_draft_on_the_side_once_its_tokens_are_decoded():
