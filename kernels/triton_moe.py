@@ -90,36 +90,37 @@ def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
 # ---- routing -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
-                 RENORMALIZE: tl.constexpr):
+def _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Token `token`'s k largest logits (float32 [EXPERTS_POW2], -inf past the experts) in descending order: their
-    experts into ids_ptr and their softmax probabilities (over the k when RENORMALIZE) into weights_ptr."""
+    experts into ids_ptr and their softmax probabilities (over the k when RENORMALIZE) into weights_ptr. Each
+    expert's rank (how many logits beat it, ties to the lower expert) comes from one comparison of every pair, so
+    the k slots cost a single reduction rather than k argmaxes in a row, which a decode step waits on."""
     probs = tl.exp(logits - tl.max(logits, 0))
-    slots = tl.arange(0, TOP_K_POW2)
-    chosen = tl.zeros([TOP_K_POW2], dtype=tl.int32)
-    chosen_probs = tl.zeros([TOP_K_POW2], dtype=tl.float32)
-    remaining = logits
-    for slot in tl.static_range(TOP_K):
-        best = tl.argmax(remaining, 0)
-        chosen = tl.where(slots == slot, best, chosen)
-        chosen_probs = tl.where(slots == slot, tl.sum(tl.where(experts == best, probs, 0.0), 0), chosen_probs)
-        remaining = tl.where(experts == best, -float("inf"), remaining)
-    total = tl.sum(chosen_probs, 0) if RENORMALIZE else tl.sum(probs, 0)
-    tl.store(ids_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
-    tl.store(weights_ptr + token * TOP_K + slots, chosen_probs / total, mask=slots < TOP_K)
+    theirs, their_experts = logits[None, :], experts[None, :]
+    beats = (theirs > logits[:, None]) | ((theirs == logits[:, None]) & (their_experts < experts[:, None]))
+    rank = tl.sum(beats.to(tl.int32), 1)
+    chosen = rank < TOP_K
+    total = tl.sum(tl.where(chosen, probs, 0.0), 0) if RENORMALIZE else tl.sum(probs, 0)
+    tl.store(ids_ptr + token * TOP_K + rank, experts, mask=chosen)
+    tl.store(weights_ptr + token * TOP_K + rank, probs / total, mask=chosen)
 
 
 @triton.jit
 def _select_experts_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, NUM_EXPERTS: tl.constexpr,
-                           EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
-                           RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                           EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, EXPERTS_POW2)
     logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS,
                      other=-float("inf")).to(tl.float32)
-    _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K, TOP_K_POW2, RENORMALIZE)
+    _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K, RENORMALIZE)
+
+
+def top_k_warps(num_experts: int) -> int:
+    """Warps for _store_top_k's comparison of every pair of experts: about 32 pairs a thread, up to 8 warps."""
+    return max(1, min(8, triton.next_power_of_2(num_experts) ** 2 // 1024))
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,15 +135,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _select_experts_kernel[(num_tokens,)](
             logits, ids, weights, logits.stride(0), NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
-            RENORMALIZE=renormalize, num_warps=1 if num_experts <= 128 else 2, **launch_options(logits))
+            EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k, RENORMALIZE=renormalize,
+            num_warps=top_k_warps(num_experts), **launch_options(logits))
     return ids, weights
 
 
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, arrivals_ptr, ids_ptr, weights_ptr, num_tokens, stride_x, K,
                   K_PER_SPLIT, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
-                  TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     """The router GEMM and the top-k of a few tokens in one launch: each program sums BLOCK_E experts' logits
     over one of SPLIT_K runs of K for every token into float32 parts; the last program to arrive adds the parts
@@ -174,7 +175,7 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, arrivals_ptr, ids_ptr, weigh
             if HAS_BIAS:
                 logits += tl.load(bias_ptr + all_experts, mask=mask, other=0.0).to(tl.float32)
             logits = tl.where(mask, logits.to(x_ptr.dtype.element_ty).to(tl.float32), -float("inf"))
-            _store_top_k(logits, all_experts, ids_ptr, weights_ptr, token, TOP_K, TOP_K_POW2, RENORMALIZE)
+            _store_top_k(logits, all_experts, ids_ptr, weights_ptr, token, TOP_K, RENORMALIZE)
 
 
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int,
@@ -199,8 +200,8 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.
         hidden, router_weight, router_bias if router_bias is not None else router_weight, parts,
         arrival_counters(1, hidden.device), ids, weights, num_tokens, hidden.stride(0), hidden_size, k_per_split,
         NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
-        TOP_K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, HAS_BIAS=router_bias is not None,
-        BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, SPLIT_K=split_k, num_warps=4, **launch_options(hidden))
+        RENORMALIZE=renormalize, HAS_BIAS=router_bias is not None, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K,
+        SPLIT_K=split_k, num_warps=max(4, top_k_warps(num_experts)), **launch_options(hidden))
     return ids, weights
 
 

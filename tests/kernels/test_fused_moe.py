@@ -52,6 +52,16 @@ def test_select_experts_matches_reference(num_experts, top_k, renormalize):
     assert_close(weights, expected_weights, torch.float32)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_select_experts_breaks_ties_to_the_lower_expert(renormalize):
+    """Router logits rounded to bfloat16 tie often: tied experts are taken lowest first, each once."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0], [2.0] * 6], device=DEVICE)
+    ids, weights = select_experts(logits, 4, renormalize)
+    assert ids.tolist() == [[1, 2, 4, 5], [0, 1, 2, 3]]
+    expected = torch.softmax(logits, 1).gather(1, ids.long())
+    assert_close(weights, expected / expected.sum(1, keepdim=True) if renormalize else expected, torch.float32)
+
+
 def test_select_experts_rejects_top_k_above_experts():
     with pytest.raises(ValueError, match="top_k=5"):
         select_experts(torch.randn(2, 4, device=DEVICE), 5, True)
