@@ -36,6 +36,7 @@ MAX_ROWS = 256
 POINTER_ROWS = 64
 EARLY_RELEASE_ROWS = 16  # up to this many rows a program lets the next kernel launch before its loop, not after
 MAX_SPLIT_K = 4
+MAX_PROGRAM_K = 2048  # in 16-row tiles, K is split further while a program's run of it is longer
 TILE_K = 128
 NARROW_N = 2048  # outputs this narrow (Qwen3-0.6B's o and down: 1,024) take 16-column tiles, twice the programs
 STAGES = 4
@@ -224,8 +225,9 @@ def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes
     rows: tiles of 16 rows up to 16 rows, else 64; 16
     columns for outputs of up to NARROW_N (with 2 warps on 16-row tiles, and NARROW_STAGES where a program's
     shared_memory bytes hold their tiles of element_size), else 32; K split in two or four while the programs
-    still fit in one wave. Above, _descriptor_config. Chosen by timing the Qwen3-0.6B projections back to back
-    in CUDA graphs, then end to end (bench/RESULTS.md)."""
+    still fit in one wave, or in 16-row tiles while a program's part is longer than MAX_PROGRAM_K. Above,
+    _descriptor_config. Chosen by timing the Qwen3-0.6B projections back to back in CUDA graphs, then end to end
+    (bench/RESULTS.md)."""
     if not 0 < m <= MAX_ROWS or k % TILE_K:
         return None
     block_m = 16 if m <= 16 else 64
@@ -235,7 +237,7 @@ def choose_config(m: int, n: int, k: int, sms: int, shared_memory: int, l2_bytes
         return _descriptor_config(m, n, k, sms, shared_memory, element_size) if descriptors else None
     block_n = 16 if n <= NARROW_N else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = _split_k(tiles, k, sms)
+    split_k = _split_k(tiles, k, sms, MAX_PROGRAM_K if block_m == 16 else None)
     num_warps = 2 if block_m == block_n == 16 else 4
     deep = block_n == 16 and (block_m + block_n) * TILE_K * element_size * NARROW_STAGES <= shared_memory
     return block_m, block_n, TILE_K, split_k, num_warps, NARROW_STAGES if deep else STAGES, False
@@ -257,10 +259,13 @@ def _descriptor_config(m: int, n: int, k: int, sms: int, shared_memory: int, ele
     return 64, block_n, block_k, split_k, 4, stages, True
 
 
-def _split_k(tiles: int, k: int, sms: int) -> int:
-    """Parts of K (up to MAX_SPLIT_K, each a multiple of TILE_K) while tiles x parts still fit in one wave."""
+def _split_k(tiles: int, k: int, sms: int, max_program_k: int | None = None) -> int:
+    """Parts of K (up to MAX_SPLIT_K, each a multiple of TILE_K) while tiles x parts still fit in one wave, or
+    while a part is longer than max_program_k: a one-row program's loop over a long K is a chain of loads that
+    more programs, each with a shorter run, overlap."""
     split_k = 1
-    while split_k < MAX_SPLIT_K and 2 * split_k * tiles <= sms and k % (2 * split_k * TILE_K) == 0:
+    while split_k < MAX_SPLIT_K and k % (2 * split_k * TILE_K) == 0 and (
+            2 * split_k * tiles <= sms or (max_program_k is not None and k // split_k > max_program_k)):
         split_k *= 2
     return split_k
 

@@ -136,6 +136,9 @@ H100 = {"sms": 132, "shared_memory": 227 * 1024, "l2_bytes": 50 * 2**20}
     (16, 4096, 1024, (16, 32, 128, 1, 4, 4, False)),   # wider than NARROW_N: 32 columns, 128 tiles
     (64, 6144, 1024, (64, 32, 128, 1, 4, 4, False)),
     (24, 1024, 384, (64, 16, 128, 1, 4, 6, False)),    # K = 3 x 128 splits in neither 2 nor 4
+    (1, 2048, 4096, (16, 16, 128, 2, 2, 6, False)),    # 128 tiles fill the wave, but K is longer than 2,048
+    (1, 4096, 12288, (16, 32, 128, 4, 4, 4, False)),   # as long as MAX_SPLIT_K allows
+    (64, 2048, 4096, (64, 16, 128, 1, 4, 6, False)),   # 64-row tiles: the wave alone decides
     # descriptors from 65 rows: the widest column tiles that make at least 66 tiles
     (128, 4096, 1024, (64, 64, 128, 1, 4, 6, True)),   # 128 tiles of 64 columns (128 columns: only 64)
     (128, 1024, 2048, (64, 32, 128, 2, 4, 6, True)),   # 32 columns at the least, so 64 tiles: K in two
