@@ -94,7 +94,9 @@ def _store_top_k(logits, experts, ids_ptr, weights_ptr, token, TOP_K: tl.constex
     """Token `token`'s k largest logits (float32 [EXPERTS_POW2], -inf past the experts) in descending order: their
     experts into ids_ptr and their softmax probabilities (over the k when RENORMALIZE) into weights_ptr. Each
     expert's rank (how many logits beat it, ties to the lower expert) comes from one comparison of every pair, so
-    the k slots cost a single reduction rather than k argmaxes in a row, which a decode step waits on."""
+    the k slots cost a single reduction rather than k argmaxes in a row, which a decode step waits on. A NaN logit
+    ranks as -inf, so the ranks stay a permutation and the ids k distinct experts (padding ranks last)."""
+    logits = tl.where(logits == logits, logits, -float("inf"))
     probs = tl.exp(logits - tl.max(logits, 0))
     theirs, their_experts = logits[None, :], experts[None, :]
     beats = (theirs > logits[:, None]) | ((theirs == logits[:, None]) & (their_experts < experts[:, None]))

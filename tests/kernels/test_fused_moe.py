@@ -62,6 +62,16 @@ def test_select_experts_breaks_ties_to_the_lower_expert(renormalize):
     assert_close(weights, expected / expected.sum(1, keepdim=True) if renormalize else expected, torch.float32)
 
 
+def test_select_experts_picks_distinct_experts_from_nan_logits():
+    """An overflowed router (NaN logits) still names k distinct, valid experts: the kernels after it index
+    weights by them."""
+    logits = torch.tensor([[float("nan"), 1.0, float("nan"), 2.0, 0.0, float("nan")], [float("nan")] * 6],
+                          device=DEVICE)
+    ids, _ = select_experts(logits, 4, True)
+    assert ids[0].tolist() == [3, 1, 4, 0]
+    assert sorted(ids[1].tolist()) == [0, 1, 2, 3]
+
+
 def test_select_experts_rejects_top_k_above_experts():
     with pytest.raises(ValueError, match="top_k=5"):
         select_experts(torch.randn(2, 4, device=DEVICE), 5, True)
