@@ -165,9 +165,10 @@ def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params
 
 def time_steps(core) -> dict[int, dict[str, list]]:
     """Wraps the engine's step() for a run: each call's seconds (what it waits for the step it finishes, and the
-    host's work) add to the step's kind in its batch class (engine/speculation.py's batch_class, of the running
-    requests): {class: {kind: [steps, seconds]}}. Kinds: prefill (a row computes prompt tokens), draft (it
-    verifies drafts), plain."""
+    host's work: scheduling, and launching that step unless it went ahead, and the next one where it goes ahead)
+    add to the step's kind in its batch class (engine/speculation.py's batch_class, of the running requests, those
+    the call admitted included): {class: {kind: [steps, seconds]}}. Kinds, of the step the call finishes: prefill
+    (a row computes prompt tokens), draft (it verifies drafts), plain."""
     tally, step, draft = {}, core.step, core._draft
     drafted = [False]
 

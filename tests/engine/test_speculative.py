@@ -19,6 +19,7 @@ import torch
 import xgrammar
 from test_constraints import SCHEMA, tiny_vocabulary
 from test_graph_padding import with_eager_graphs
+from test_overlap import cut
 
 from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
@@ -706,14 +707,9 @@ def test_a_generate_call_leaves_no_step_in_flight_so_each_starts_alike(tiny_llam
     llm.core.overlap = True
     firsts = first_launches(llm)
     for _ in range(3):
-        assert outputs(llm, prompts[:2], params) == [cut_at_stop(ref, p) for ref, p in zip(references, params)]
+        assert outputs(llm, prompts[:2], params) == [cut(ref, p) for ref, p in zip(references, params)]
     assert firsts == [False, False, False]
     assert_all_blocks_free(llm)
-
-
-def cut_at_stop(reference: list[int], params: SamplingParams) -> list[int]:
-    stop = next(i for i, token in enumerate(reference) if token in params.stop_token_ids)
-    return reference[:min(stop + 1, params.max_tokens)]
 
 
 def test_a_prompt_step_after_the_engine_idled_is_not_a_drafting_step(tiny_llama, prompts, monkeypatch):
