@@ -20,7 +20,8 @@ swapped between runs, the prefix cache emptied), after a warm-up of every mode; 
 Under each row, where the run's time went: per batch class (of the running requests), the engine steps of each
 kind (plain, draft: verifying drafts, with how many of them the speculator chose as probes, prefill: computing
 prompt tokens) and the seconds they took in all, host work included (time_steps), so that a mode's loss
-against off shows in the class and kind where it is paid.
+against off shows in the class and kind where it is paid. These are the median run's; --every-round adds every
+round's, to tell a mode's cost from the spread between runs of the same mode.
 
 Greedy outputs are compared with those of speculation off: the share of identical tokens (position by
 position over off's tokens) and the first position where a request's output differs. In bfloat16 a step's
@@ -165,9 +166,10 @@ def run(llm: LLM, mode: str, speculators: dict[str, Speculator], prompts, params
 
 def time_steps(core) -> dict[int, dict[str, list]]:
     """Wraps the engine's step() for a run: each call's seconds (what it waits for the step it finishes, and the
-    host's work) add to the step's kind in its batch class (engine/speculation.py's batch_class, of the running
-    requests): {class: {kind: [steps, seconds]}}. Kinds: prefill (a row computes prompt tokens), draft (it
-    verifies drafts), plain."""
+    host's work: scheduling, and launching that step unless it went ahead, and the next one where it goes ahead)
+    add to the step's kind in its batch class (engine/speculation.py's batch_class, of the running requests, those
+    the call admitted included): {class: {kind: [steps, seconds]}}. Kinds, of the step the call finishes: prefill
+    (a row computes prompt tokens), draft (it verifies drafts), plain."""
     tally, step, draft = {}, core.step, core._draft
     drafted = [False]
 
@@ -225,11 +227,15 @@ def step_periods(speculator: Speculator | None) -> str:
 
 def median_runs(llm: LLM, modes: list[str], args, prompts, params, batch: int) -> dict[str, dict]:
     """Each mode's run of median tokens per second over --runs rounds, the modes taking turns in each round (so
-    that a drift of the GPU's clocks or the host's load falls on all of them)."""
+    that a drift of the GPU's clocks or the host's load falls on all of them); with it, under "rounds", the step
+    accounting of every round's run of the mode, in round order."""
     rounds = [{mode: run(llm, mode, args.speculators, prompts, params, batch) for mode in modes}
               for _ in range(args.runs)]
-    return {mode: sorted((r[mode] for r in rounds), key=lambda result: result["tok_s"])[args.runs // 2]
-            for mode in modes}
+    medians = {mode: sorted((r[mode] for r in rounds), key=lambda result: result["tok_s"])[args.runs // 2]
+               for mode in modes}
+    for mode, result in medians.items():
+        result["rounds"] = [r[mode]["steps"] for r in rounds]
+    return medians
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
@@ -293,6 +299,9 @@ def workloads_table(args) -> None:
                              result["drafted_per_token"], same))
                 print(*rows[-1], result["periods"], flush=True)
                 print(f"  steps (class: kind count/seconds) {name} {batch} {mode}: {result['steps']}", flush=True)
+                if args.every_round:
+                    for i, steps in enumerate(result["rounds"]):
+                        print(f"    round {i + 1}: {steps}", flush=True)
     print(f"\n{'workload':8} {'batch':>5} {'mode':6} {'tokens':>7} {'s':>7} {'tok/s':>9} {'vs off':>6} "
           f"{'accept%':>7} {'draft/tok':>9} greedy")
     for row in rows:
@@ -427,6 +436,9 @@ def main():
                     help="the engine's max_num_seqs (default: the largest batch); a batch of more than half of it "
                          "never drafts, so a run of small batches alone wants the device run's value")
     ap.add_argument("--runs", type=int, default=3, help="rounds of every mode per workload and batch (median)")
+    ap.add_argument("--every-round", action="store_true",
+                    help="under each row, the step accounting of every round's run too, not only the median's: how "
+                         "far a class's seconds move from run to run of the same mode")
     ap.add_argument("--step-cost", action="store_true", help="time verification steps on random weights instead")
     ap.add_argument("--shape", default="qwen3-0.6b", help="--step-cost: a config under bench/models")
     ap.add_argument("--shape-overrides", type=json.loads, default=None,

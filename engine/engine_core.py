@@ -165,9 +165,11 @@ class EngineCore:
             self.runner.collective("warm_up_next")
 
     def _draft(self) -> bool:
-        """Gives the running requests draft tokens when the next step is to draft (it is scheduled next)."""
-        drafting, self.draft_next = self.draft_next or bool(
-            self.speculator and self.scheduler.running and self.speculator.decide(self.scheduler.running)), False
+        """Gives the running requests draft tokens when the next step is to draft (it is scheduled next). A step
+        that chose drafting for the next may have finished all of its requests: then none is left to draft for."""
+        running = self.scheduler.running
+        drafting, self.draft_next = bool(running) and (self.draft_next or bool(
+            self.speculator and self.speculator.decide(running))), False
         if drafting:
             self.speculator.propose(self.scheduler.running)
         return drafting

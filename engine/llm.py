@@ -44,7 +44,11 @@ class LLM:
         order (text is None for a model without a tokenizer; logprobs, per token, and prompt_logprobs, per prompt
         token, where the params ask). constraints: one per prompt (or None), engine/constraints.py. images: per
         prompt, its images (engine/images.py's PromptImage, in the order of their runs of image tokens), for a model
-        that reads images."""
+        that reads images.
+
+        Returns with no step in flight: where the last requests stop on a token the scheduler could not foresee, a
+        step was launched ahead for them, and it is finished here, so that its time is this call's and every call
+        starts from an idle engine (its prompts launched by its own first step, with speculation on or off)."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         constraints = constraints or [None] * len(prompts)
@@ -58,7 +62,7 @@ class LLM:
         for seq in seqs:
             self.core.add(seq)
         done, started = 0, time.perf_counter()
-        while self.core.has_work():
+        while self.core.has_work() or self.core.in_flight is not None:
             for seq, _ in self.core.step():
                 if seq.finish_reason == "error":
                     for other in seqs:

@@ -140,9 +140,11 @@ class Scheduler:
 
     def _all_end_in_flight(self, in_flight: list[Sequence], sample_rows: list[int]) -> bool:
         """Whether no request waits and every running one samples in the step in flight a token that reaches its
-        length limit (Sequence.append_token finishes it, whatever the token)."""
-        return (not self.waiting and len(sample_rows) == len(self.running)
-                and all(len(in_flight[row]) + 1 >= in_flight[row].max_len for row in sample_rows))
+        length limit (Sequence.append_token finishes it, whatever the token). Rows of requests that finished
+        before that step (it was launched ahead of their last token) take nothing from it."""
+        rows = [row for row in sample_rows if not in_flight[row].is_finished]
+        return (not self.waiting and len(rows) == len(self.running)
+                and all(len(in_flight[row]) + 1 >= in_flight[row].max_len for row in rows))
 
     def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None],
                logprobs: list | None = None) -> list[tuple[Sequence, int | None]]:

@@ -192,3 +192,17 @@ def test_schedule_ahead_plans_nothing_when_every_request_ends_in_flight():
     waiting.add(seq(3, "e", first=30))
     seqs, counts = waiting.schedule()
     assert seqs == [d] and launch_ahead(waiting, seqs, counts)[0] == [d]
+
+
+def test_schedule_ahead_plans_nothing_when_the_last_requests_end_in_flight_after_others_ended():
+    """Requests whose prompts took one step more end one step after the others, by length: the step in flight
+    still has rows of those that ended before it, and the last requests need no step after it either."""
+    scheduler = setup(budget=16)
+    a, b = seq(3, "a", max_tokens=2), seq(3, "b", first=10, max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    seqs, counts = scheduler.schedule()
+    seqs, counts, _, _ = launch_ahead(scheduler, seqs, counts)  # both take their first token
+    seqs, counts, _, _ = launch_ahead(scheduler, seqs, counts)  # a's second, its last: a throwaway row ahead
+    assert seqs == [a, b] and a.finish_reason == "length" and scheduler.running == [b]
+    assert scheduler.schedule_ahead(seqs, counts, [0, 1]) is None, "the step in flight samples b's last token"

@@ -19,6 +19,7 @@ import torch
 import xgrammar
 from test_constraints import SCHEMA, tiny_vocabulary
 from test_graph_padding import with_eager_graphs
+from test_overlap import cut
 
 from engine import LLM, EngineConfig, SamplingParams, Worker
 from engine.config import parse_speculative
@@ -571,10 +572,10 @@ def test_plain_steps_of_a_speculative_engine_check_drafts_on_the_side(tiny_llama
 
 
 def test_time_the_engine_idles_between_requests_is_no_steps_time(tiny_llama, prompts, monkeypatch):
-    """A step launched ahead for a request that finished is returned by the next request's first step() call:
-    the idle time before it must not count as the seconds of a plain step. Each request ends on a stop token,
-    which the scheduler cannot foresee, so a step is launched ahead of its last one (one that ends by its length
-    launches none)."""
+    """A server's engine steps while it has requests (the Worker), so a step launched ahead for a request that
+    finished is returned by the next request's first step() call: the idle time before it must not count as the
+    seconds of a plain step. Each request ends on a stop token, which the scheduler cannot foresee, so a step is
+    launched ahead of its last one (one that ends by its length launches none)."""
     clock = [0.0]
 
     def tick():
@@ -587,9 +588,13 @@ def test_time_the_engine_idles_between_requests_is_no_steps_time(tiny_llama, pro
     llm.core.speculator.periods.clear()  # the runs above were timed by the real clock
     llm.core.speculator.timer = StepTimer()
     monkeypatch.setattr("engine.speculation.time.perf_counter", tick)
-    for prompt, output in zip(prompts[:3], greedy):
+    for i, (prompt, output) in enumerate(zip(prompts[:3], greedy)):
         params = SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[output[NEW // 2]])
-        assert len(outputs(llm, [prompt], params)[0]) < NEW
+        seq = llm.core.make_sequence(i, prompt, params)
+        llm.core.add(seq)
+        while llm.core.has_work():  # as the Worker steps
+            llm.core.step()
+        assert len(seq.output_token_ids) < NEW and llm.core.in_flight is not None
         clock[0] += 1e6  # idle
     seconds = [s for periods in llm.core.speculator.periods.values() for s in periods.seconds.values()]
     assert seconds and max(seconds) < 10
@@ -670,3 +675,55 @@ def test_plain_steps_check_no_drafts_on_the_side_where_drafting_cannot_pay(tiny_
     assert outputs(llm, prompts, params) == expected
     assert not checked and llm.core.stats()["spec_drafted_tokens"] == 0
     assert_all_blocks_free(llm)
+
+
+def first_launches(llm) -> list[bool]:
+    """Records, per generate call, whether its first launch went on from a step in flight (ahead)."""
+    firsts, launch, generate = [], llm.core.runner.launch, llm.generate
+
+    def recording_launch(seqs, num_tokens, ahead=None, follows=()):
+        if len(firsts) < calls[0]:
+            firsts.append(ahead is not None)
+        return launch(seqs, num_tokens, ahead, follows)
+
+    def counting_generate(*args, **kwargs):
+        calls[0] += 1
+        return generate(*args, **kwargs)
+
+    calls = [0]
+    llm.core.runner.launch, llm.generate = recording_launch, counting_generate
+    return firsts
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram:k=3"])
+def test_a_generate_call_leaves_no_step_in_flight_so_each_starts_alike(tiny_llama, prompts, plain, speculative):
+    """Requests that end on a stop token leave a step launched ahead of the one that stopped them; the call that
+    ran them finishes it. So every call starts from an idle engine, with speculation on or off, and the next
+    call's prompts are launched by its own first step, not ahead of a step of the last call's requests."""
+    references, _, _ = plain
+    params = [SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[reference[5]])
+              for reference in references[:2]]
+    llm = LLM(tiny_llama.path, dtype="float32", speculative=speculative)
+    llm.core.overlap = True
+    firsts = first_launches(llm)
+    for _ in range(3):
+        assert outputs(llm, prompts[:2], params) == [cut(ref, p) for ref, p in zip(references, params)]
+    assert firsts == [False, False, False]
+    assert_all_blocks_free(llm)
+
+
+def test_a_prompt_step_after_the_engine_idled_is_not_a_drafting_step(tiny_llama, prompts, monkeypatch):
+    """A step that finishes a prompt may decide that the next step drafts; when its requests all finish in it
+    (max_tokens 1), nothing is left to draft for, and the next request's prompt step must be neither drafted
+    for nor measured as a drafting step (which would make the speculator probe less at its batch size)."""
+    measured = []
+    step_done = Speculator.step_done
+    monkeypatch.setattr(Speculator, "step_done", lambda self, num_running, drafting, decoding, gained: (
+        measured.append(drafting), step_done(self, num_running, drafting, decoding, gained)))
+    llm = LLM(tiny_llama.path, dtype="float32", speculative="ngram:k=3")
+    llm.core.overlap = True
+    for prompt in prompts[:3]:
+        measured.clear()
+        outputs(llm, [prompt], SamplingParams(temperature=0, max_tokens=1))
+        assert measured == [False], "a prompt step is measured as a drafting step"
+    assert all(p.probe_after == PROBE_AFTER_STEPS for p in llm.core.speculator.periods.values())
