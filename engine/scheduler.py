@@ -142,9 +142,16 @@ class Scheduler:
         """Whether no request waits and every running one samples in the step in flight a token that reaches its
         length limit (Sequence.append_token finishes it, whatever the token). Rows of requests that finished
         before that step (it was launched ahead of their last token) take nothing from it."""
-        rows = [row for row in sample_rows if not in_flight[row].is_finished]
-        return (not self.waiting and len(rows) == len(self.running)
-                and all(len(in_flight[row]) + 1 >= in_flight[row].max_len for row in rows))
+        if self.waiting:
+            return False
+        ending = 0
+        for row in sample_rows:
+            seq = in_flight[row]
+            if not seq.is_finished:
+                if len(seq) + 1 < seq.max_len:
+                    return False  # usually the first row: a step is not walked whole
+                ending += 1
+        return ending == len(self.running)
 
     def update(self, seqs: list[Sequence], num_tokens: list[int], sampled: list[int | None],
                logprobs: list | None = None) -> list[tuple[Sequence, int | None]]:
