@@ -168,10 +168,10 @@ class EngineCore:
         """Gives the running requests draft tokens when the next step is to draft (it is scheduled next). A step
         that chose drafting for the next may have finished all of its requests: then none is left to draft for."""
         running = self.scheduler.running
-        drafting, self.draft_next = bool(running) and (self.draft_next or bool(
-            self.speculator and self.speculator.decide(running))), False
+        drafting = bool(running) and (self.draft_next or bool(self.speculator and self.speculator.decide(running)))
+        self.draft_next = False
         if drafting:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(running)
         return drafting
 
     def _measure(self, launched: LaunchedStep, sampled: list, drafting: bool) -> None:
