@@ -17,7 +17,8 @@ quick before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MA
 sorted path, as before direct routing) in this process and, through the environment variable
 DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only.
 --gpu-features portable launches without dependent launch, so the kernels' spans no longer overlap and each one's
-time is its own.
+time is its own. --tp-shard N runs, on one GPU, the part of the model one rank of tensor parallelism N holds (its
+heads, intermediate sizes and vocabulary divided by N): a rank's step without its all-reduces, against its floor.
 
 Floors, at the copy bandwidth and bf16 matmul rate measured here:
 - a decode step of B sequences reads the dense weights (attention, routers, norms, LM head), the experts it
@@ -197,12 +198,16 @@ def main():
                     help="only TPOT and the batch-1 kernel breakdown (no TTFT, throughput or MoE layer alone)")
     ap.add_argument("--direct-max-tokens", type=int, default=triton_moe.DIRECT_MAX_TOKENS,
                     help="steps of up to this many tokens route directly (0: all sorted by expert, as before)")
+    ap.add_argument("--tp-shard", type=int, default=1, metavar="N",
+                    help="time one rank's part of tensor parallelism N alone on one GPU (no communication)")
     add_gpu_features_argument(ap)
     args = ap.parse_args()
+    if args.tp_shard > 1 and args.tensor_parallel_size > 1:
+        ap.error("--tp-shard runs one rank's part on one GPU: leave --tensor-parallel-size at 1")
     os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
     triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
     bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
-    model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts)
+    model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts, shard_of=args.tp_shard)
     quantized = "quantization_config" in AutoConfig.from_pretrained(model_dir).to_dict()
     names = [f"{args.model}-tp{args.tensor_parallel_size}", args.model]
     names = [f"{name}-mxfp4" for name in names] if quantized else names
@@ -233,7 +238,8 @@ def main():
         floor_throughput = total / floors.workload_s(prompts, params)
     llm.shutdown()
 
-    print(f"\n== {args.model} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
+    shard = f" (one rank's part of TP {args.tp_shard})" if args.tp_shard > 1 else ""
+    print(f"\n== {args.model}{shard} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
           f"{args.tensor_parallel_size}, MoE routed directly up to {args.direct_max_tokens} tokens, on "
           f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} "
           "TFLOP/s (measured)")

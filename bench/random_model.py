@@ -48,15 +48,28 @@ def make_random_model(name: str = "qwen3-0.6b", out_dir: str | None = None, devi
     return out_dir
 
 
-def config_only_model(name: str, drop_quantization: bool = False) -> str:
+SHARDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                  "vocab_size")  # what tensor parallelism divides among ranks
+
+
+def config_only_model(name: str, drop_quantization: bool = False, shard_of: int = 1) -> str:
     """A model directory holding bench/models/<name>/config.json and no weights: for draw_weights_at_load().
-    drop_quantization: without its quantization_config (gpt-oss's experts in bf16 instead of MXFP4)."""
-    out_dir = f"/tmp/random-{name}-config" + ("-unquantized" if drop_quantization else "")
+    drop_quantization: without its quantization_config (gpt-oss's experts in bf16 instead of MXFP4). shard_of N:
+    the part of the model one rank of tensor parallelism N holds (SHARDED_FIELDS divided by N, at least one KV
+    head), to time a rank's kernels alone on one GPU, without the communication."""
+    out_dir = f"/tmp/random-{name}-config" + ("-unquantized" if drop_quantization else "") + (
+        f"-shard-of-{shard_of}" if shard_of > 1 else "")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(HERE, "models", name, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     if drop_quantization:
         config.pop("quantization_config", None)
+    for field in SHARDED_FIELDS if shard_of > 1 else ():
+        if field in config:
+            config[field] = max(1, config[field] // shard_of)
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):  # kept inside a sharded vocabulary
+        if isinstance(config.get(field), int):
+            config[field] = min(config[field], config["vocab_size"] - 1)
     _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
 
