@@ -64,14 +64,21 @@ def config_only_model(name: str, drop_quantization: bool = False, shard_of: int 
         config = json.load(f)
     if drop_quantization:
         config.pop("quantization_config", None)
-    for field in SHARDED_FIELDS if shard_of > 1 else ():
-        if field in config:
-            config[field] = max(1, config[field] // shard_of)
-    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):  # kept inside a sharded vocabulary
-        if isinstance(config.get(field), int):
-            config[field] = min(config[field], config["vocab_size"] - 1)
+    if shard_of > 1:
+        _shard_config(config, shard_of)
     _write_json(os.path.join(out_dir, "config.json"), config)
     return out_dir
+
+
+def _shard_config(config: dict, shard_of: int) -> None:
+    """config's SHARDED_FIELDS divided by shard_of (at least 1), its special token ids kept inside the divided
+    vocabulary."""
+    for field in SHARDED_FIELDS:
+        if field in config:
+            config[field] = max(1, config[field] // shard_of)
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(config.get(field), int):
+            config[field] = min(config[field], config["vocab_size"] - 1)
 
 
 def draw_weights_at_load(std: float = 0.02) -> None:
