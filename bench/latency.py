@@ -21,7 +21,13 @@ import torch
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
-from random_model import add_fp8_arguments, add_gpu_features_argument, make_random_model, weights_to_run
+from random_model import (
+    add_all_reduce_argument,
+    add_fp8_arguments,
+    add_gpu_features_argument,
+    make_random_model,
+    weights_to_run,
+)
 
 LONG_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 PUNCTUATION = ['"', '",', '":', '["', '"]', '{"', '"}', ', "', '": "', '."', ' "', "'", ".", ",", ":", ";", "!", "?",
@@ -107,7 +113,8 @@ def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], 
     """(metric, shape, ms) rows for the model at path, and (batch, feature, plain ms, with ms) for the features
     asked for, on an engine of its own (freed before returning)."""
     llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features, **settings)
+              kv_cache_dtype=args.kv_cache_dtype, gpu_features=args.gpu_features,
+              p2p_all_reduce=args.p2p_all_reduce, **settings)
     core = llm.core
     core.finish_warm_up()  # the prefills measured replay graphs
     core.overlap = not args.no_overlap
@@ -147,6 +154,7 @@ def main():
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
     add_gpu_features_argument(ap)
+    add_all_reduce_argument(ap)
     args = ap.parse_args()
     seed(0)
     path = make_random_model(args.model) if "/" not in args.model else args.model

@@ -51,7 +51,7 @@ from latency import (
     time_per_output_token,
     time_to_first_token,
 )
-from random_model import add_gpu_features_argument, config_only_model, draw_weights_at_load
+from random_model import add_all_reduce_argument, add_gpu_features_argument, config_only_model, draw_weights_at_load
 from throughput import workload
 
 DIRECT_MAX_TOKENS_ENV = "MOE_MODEL_DIRECT_MAX_TOKENS"
@@ -201,6 +201,7 @@ def main():
     ap.add_argument("--tp-shard", type=int, default=1, metavar="N",
                     help="time one rank's part of tensor parallelism N alone on one GPU (no communication)")
     add_gpu_features_argument(ap)
+    add_all_reduce_argument(ap)
     args = ap.parse_args()
     if args.tp_shard > 1 and args.tensor_parallel_size > 1:
         ap.error("--tp-shard runs one rank's part on one GPU: leave --tensor-parallel-size at 1")
@@ -215,7 +216,8 @@ def main():
     layers = moe_layer_rows(shape, bandwidth) if shape else []  # before the engine takes the GPU's memory
     torch.cuda.empty_cache()
     start = time.perf_counter()
-    llm = LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size, gpu_features=args.gpu_features)
+    llm = LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size, gpu_features=args.gpu_features,
+              p2p_all_reduce=args.p2p_all_reduce)
     print(f"engine ready in {time.perf_counter() - start:.0f} s: weights "
           f"{sum(p.numel() * p.element_size() for p in llm.core.runner.model.parameters()) / 2**30:.2f} GiB, "
           f"{llm.core.stats()['num_total_blocks']} KV blocks", flush=True)

@@ -138,6 +138,13 @@ def add_fp8_arguments(ap: argparse.ArgumentParser, fp8_help: str) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
 
 
+def add_all_reduce_argument(ap: argparse.ArgumentParser) -> None:
+    """--no-p2p-all-reduce: HFENDPOINT_P2P_ALL_REDUCE=false for the engine, every tensor-parallel sum through NCCL
+    and then the norm, to time models/all_reduce.py's sums over peer memory against it."""
+    ap.add_argument("--no-p2p-all-reduce", dest="p2p_all_reduce", action="store_false",
+                    help="every tensor-parallel sum through NCCL (none fused into the norms over peer memory)")
+
+
 def add_gpu_features_argument(ap: argparse.ArgumentParser) -> None:
     """--gpu-features: HFENDPOINT_GPU_FEATURES for the engine (kernels/gpu_features.py), e.g. portable to time
     the pre-Hopper paths on a Hopper GPU."""

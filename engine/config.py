@@ -41,6 +41,7 @@ class EngineConfig:
     gpu_features: str = "auto"          # HFENDPOINT_GPU_FEATURES: features turned off (kernels/gpu_features.py)
     speculative: str = "off"            # HFENDPOINT_SPECULATIVE: off | ngram | suffix [:k=N] | eagle3:PATH [,k=N]
     data_parallel_size: int = 1         # HFENDPOINT_DATA_PARALLEL_SIZE: engines, each on its own GPUs
+    p2p_all_reduce: bool = True         # HFENDPOINT_P2P_ALL_REDUCE: decode steps' TP sums over peer memory
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
@@ -62,6 +63,7 @@ class EngineConfig:
                "auto, cpu, cuda or cuda:N")
         _check("enforce_eager", isinstance(self.enforce_eager, bool), "a boolean")
         _check("overlap_steps", isinstance(self.overlap_steps, bool), "a boolean")
+        _check("p2p_all_reduce", isinstance(self.p2p_all_reduce, bool), "a boolean")
         _check("cache_dir", isinstance(self.cache_dir, str), "a directory path")
         self.cache_dir = os.path.expanduser(self.cache_dir.strip()) or default_cache_dir()  # blank: the default
         _check("speculative", isinstance(self.speculative, str), SPECULATIVE_FORMS)
@@ -168,6 +170,7 @@ ENV_NAMES = {
     "max_num_batched_tokens": "HFENDPOINT_MAX_BATCHED_TOKENS",
     "max_num_seqs": "HFENDPOINT_MAX_SEQS",
     "tensor_parallel_size": "HFENDPOINT_TENSOR_PARALLEL_SIZE",
+    "p2p_all_reduce": "HFENDPOINT_P2P_ALL_REDUCE",
     "data_parallel_size": "HFENDPOINT_DATA_PARALLEL_SIZE",
     "block_size": "HFENDPOINT_KV_BLOCK_SIZE",
     "cpu_kv_cache_gb": "HFENDPOINT_CPU_KV_CACHE_GB",

@@ -31,8 +31,9 @@ from transformers import AutoConfig
 from engine.config import EngineConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_runner import ModelRunner
-from engine.startup_log import phase, timed
+from engine.startup_log import note, phase, timed
 from kernels import gpu_features, load_backend
+from models.all_reduce import release_exchange, set_up_exchange
 from models.llama import check_tensor_parallel
 from models.registry import ENCODERS, LoadedModel, architecture_of, load_model
 
@@ -198,6 +199,9 @@ def init_group(config: EngineConfig, rank: int, store: dist.Store) -> torch.devi
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank,
                             world_size=config.tensor_parallel_size, device_id=device if on_cuda else None)
+    sums = set_up_exchange(config.p2p_all_reduce, device, config.torch_dtype)
+    if rank == 0:
+        note(sums)
     return device
 
 
@@ -230,6 +234,7 @@ def leave_group(graphs: list[dict]) -> None:
     if dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        release_exchange()  # this rank's exchange buffers, with its mappings of the other ranks'
         getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)()
 
 

@@ -32,12 +32,12 @@ def _rms_norm_kernel(
 
 
 @functools.cache
-def _block_and_warps(hidden: int) -> tuple[int, int]:
+def block_and_warps(hidden: int) -> tuple[int, int]:
     block = triton.next_power_of_2(hidden)
     return block, min(max(block // 256, 1), 16)
 
 
-def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+def rows_of(t: torch.Tensor, hidden: int) -> torch.Tensor:
     """t as [rows, hidden] with a contiguous last dimension; 2-D inputs (the model's case) as they are."""
     if t.dim() != 2:
         t = t.reshape(-1, hidden)
@@ -48,15 +48,15 @@ def _launch(x, residual, weight, eps):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"norm weight has shape {tuple(weight.shape)}, expected ({hidden},)")
-    x2 = _rows(x, hidden)
+    x2 = rows_of(x, hidden)
     out = torch.empty_like(x2)
     if residual is not None:
-        r2 = _rows(residual, hidden)
+        r2 = rows_of(residual, hidden)
         new_residual = torch.empty_like(x2)
     else:
         r2 = new_residual = x2
     if x2.shape[0]:
-        block, num_warps = _block_and_warps(hidden)
+        block, num_warps = block_and_warps(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, new_residual,
             x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0), eps,

@@ -28,11 +28,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from kernels import Mxfp4Weight, gpu_features, routed_experts
 from kernels.mxfp4 import GROUP_SIZE
+from models.all_reduce import RankPartial
 from models.parallel_layers import ParallelModule, check_shape, copy_part, divide, read
 
 MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
@@ -267,12 +267,10 @@ class MoeMLP(nn.Module):
         self.router = Router(config.hidden_size, spec.num_experts, spec.bias)
         self.experts = Experts(spec, config.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor | RankPartial:
         spec, experts, router = self.spec, self.experts, self.router
         down_bias = experts.down_proj_bias if experts.tp_rank == 0 else None
         y = routed_experts(x, router.weight, router.bias, spec.top_k, spec.renormalize, experts.gate_up_weight,
                            experts.down_weight, experts.gate_up_proj_bias, down_bias, spec.activation,
                            spec.swiglu_alpha, spec.swiglu_limit)
-        if experts.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        return RankPartial(y) if experts.tp_size > 1 else y  # summed by the norm that reads it

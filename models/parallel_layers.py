@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import dequantize_fp8, fp8_linear, gated_linear, gelu_tanh_and_mul, linear, silu_and_mul
+from models.all_reduce import RankPartial
 from models.fp8 import E4M3, Fp8Format, finish_fp8, is_fp8
 
 
@@ -275,10 +276,13 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(ParallelLinear):
     """y = x W^T (+ b) where x holds this rank's input features [in_features / N]; the partial sums of all
-    ranks are added with one all-reduce (the bias once, on rank 0)."""
+    ranks are added with one all-reduce (the bias once, on rank 0), or with leave_sum, by the norm that reads y
+    (a RankPartial, models/all_reduce.py)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Format | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Format | None = None,
+                 leave_sum: bool = False):
         super().__init__()
+        self.leave_sum = leave_sum
         local = divide(in_features, self.tp_size, "the input size")
         self._weights(out_features, local, quant)
         self.bias = self._parameter(out_features, loader=default_weight_loader) if bias else None
@@ -291,9 +295,11 @@ class RowParallelLinear(ParallelLinear):
         copy_scale_rows(param.data, loaded, self.quant, 0, param.shape[0], self.tp_rank * param.shape[1],
                         local * self.tp_size)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor | RankPartial:
         y = self._project(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
+            if self.leave_sum:
+                return RankPartial(y)
             dist.all_reduce(y)
         return y
 

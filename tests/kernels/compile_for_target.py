@@ -30,6 +30,7 @@ from kernels import (
     gluon_decode,
     gpu_features,
     triton_activation,
+    triton_all_reduce_norm,
     triton_attention,
     triton_fp8_gemm,
     triton_linear,
@@ -144,6 +145,11 @@ def launch_layers(dtype: torch.dtype) -> None:
         x = torch.empty(rows, HIDDEN, dtype=dtype)
         triton_norm.rms_norm(x, torch.empty(HIDDEN, dtype=dtype), eps)
         triton_norm.add_rms_norm(x, torch.empty_like(x), torch.empty(HIDDEN, dtype=dtype), eps)
+    exchange = triton_all_reduce_norm.Exchange(0, tuple(torch.empty(8, HIDDEN, dtype=dtype) for _ in range(2)),
+                                               tuple(torch.empty(2, 8, 2, dtype=torch.int32) for _ in range(2)))
+    x = torch.empty(1, HIDDEN, dtype=dtype)
+    for residual in (torch.empty_like(x), None):  # a tensor-parallel sum with the residual add, and alone
+        triton_all_reduce_norm.all_reduce_rms_norm(x, residual, torch.empty(HIDDEN, dtype=dtype), eps, exchange)
     for rows in (1, 64, 128, 256):  # choose_config's branches: 16-row tiles, 64-row, descriptors in one and two waves
         x = torch.empty(rows, HIDDEN, dtype=dtype)
         for n, k in ((QKV, HIDDEN), (HIDDEN, INTER)):  # a wide and a narrow output

@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 TARGETS = {75: "T4", 80: "A100", 86: "A10G", 89: "L4", 90: "H100", 100: "B200"}
 FP8_KERNELS = ("kernels.triton_fp8_gemm._fp8_gemm_kernel",)
 HOPPER_KERNELS = ("kernels.triton_linear._descriptor_linear_kernel", "kernels.triton_fp8_gemm._quantize_rows_kernel")
-EVERYWHERE = ("kernels.triton_norm._rms_norm_kernel", "kernels.triton_linear._linear_kernel",
+EVERYWHERE = ("kernels.triton_norm._rms_norm_kernel", "kernels.triton_all_reduce_norm._all_reduce_rms_norm_kernel",
+              "kernels.triton_linear._linear_kernel",
               "kernels.triton_activation._act_and_mul_kernel", "kernels.triton_sampling._gumbel_argmax_kernel",
               "kernels.triton_sampling._token_bitmask_kernel", "kernels.triton_prologue._prologue_kernel",
               "kernels.triton_attention._prefill_kernel", "kernels.triton_attention._decode_kernel",
