@@ -27,9 +27,10 @@ from engine.config import EngineConfig
 from engine.embedding import forward_decoder
 from engine.startup_log import phase
 from kernels import FP8_KV_CACHE_DTYPE, AttentionMetadata, gumbel_argmax
+from models.all_reduce import min_over_ranks
 from models.kv_scales import heads_of_rank, read_kv_scales
 from models.loader import safetensors_files
-from models.parallel_layers import min_over_ranks, tp_rank, tp_size
+from models.parallel_layers import tp_rank, tp_size
 
 CALIBRATION_TOKENS = 512
 PROFILE_SEQUENCE_TOKENS = 1024  # the longest sequence of the profile step (profile_lengths says why)

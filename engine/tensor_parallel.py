@@ -5,8 +5,8 @@ processes, each holding 1/N of every layer (models/parallel_layers.py) on GPU r 
 ModelRunner code. Rank 0's runner is given the TensorParallelRanks and sends each call that every rank must
 make (ModelRunner.collective) to the others: a method name and small host arguments (a staged step's sizes
 and numpy arrays, or token lists to embed), pickled once and written to one pipe per rank. The collectives
-inside the forward (NCCL on CUDA, gloo on CPU) keep the ranks in step; each rank captures its own CUDA
-graphs, the all-reduces inside them.
+inside the forward (NCCL on CUDA, gloo on CPU, and the norms' sums over peer memory, models/all_reduce.py) keep
+the ranks in step; each rank captures its own CUDA graphs, the sums inside them.
 
 A rank exits when rank 0 tells it to, when its pipe reaches end-of-file (rank 0 is gone) or, should it be
 stuck inside a collective, when a watchdog thread sees that its parent has died. Rank 0 watches the ranks

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
-from kernels.triton_norm import block_and_warps, rows_of
+from kernels.triton_norm import block_and_warps, norm_row, norm_tensors
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,8 @@ def _all_reduce_rms_norm_kernel(
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             tl.atomic_xchg(flags[peer] + (MAX_ROWS + row) * WORLD + RANK, 1, sem="release", scope="sys")
-    x = total.to(x.dtype)  # the all-reduce's result, as a collective would hand it over
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(new_residual_ptr + row.to(tl.int64) * stride_nr + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    y = (xf * rstd).to(x.dtype) * w
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    norm_row(total.to(x.dtype), row.to(tl.int64), offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+             stride_r, stride_o, stride_nr, eps, HIDDEN, HAS_RESIDUAL)  # the sum rounded as a collective hands it over
 
 
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -100,13 +92,7 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     """rms_norm(sum over ranks of x) or, with a residual, (rms_norm(sum + residual), sum + residual), where every
     rank passes its own x of the same shape (exchange.fits(x)) and gets the same result."""
     hidden = x.shape[-1]
-    x2 = rows_of(x, hidden)
-    out = torch.empty_like(x2)
-    if residual is not None:
-        r2 = rows_of(residual, hidden)
-        new_residual = torch.empty_like(x2)
-    else:
-        r2 = new_residual = x2
+    x2, r2, out, new_residual = norm_tensors(x, residual, weight)
     block, num_warps = block_and_warps(hidden)
     _all_reduce_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, new_residual, exchange.rows, exchange.flags,

@@ -20,6 +20,15 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    norm_row(x, row, offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r, stride_o, stride_nr,
+             eps, HIDDEN, HAS_RESIDUAL)
+
+
+@triton.jit
+def norm_row(x, row, offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r, stride_o, stride_nr,
+             eps, HIDDEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Stores row `row` of rms_norm(x) or, with a residual, of rms_norm(x + residual) and x + residual, x being
+    that row in registers."""
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -37,24 +46,28 @@ def block_and_warps(hidden: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
-def rows_of(t: torch.Tensor, hidden: int) -> torch.Tensor:
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     """t as [rows, hidden] with a contiguous last dimension; 2-D inputs (the model's case) as they are."""
     if t.dim() != 2:
         t = t.reshape(-1, hidden)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(x, residual, weight, eps):
+def norm_tensors(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+    """(x, residual, out, new_residual) as the kernels' [rows, hidden] tensors; without a residual, x stands in for
+    the two residual tensors (not read)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"norm weight has shape {tuple(weight.shape)}, expected ({hidden},)")
-    x2 = rows_of(x, hidden)
-    out = torch.empty_like(x2)
-    if residual is not None:
-        r2 = rows_of(residual, hidden)
-        new_residual = torch.empty_like(x2)
-    else:
-        r2 = new_residual = x2
+    x2 = _rows(x, hidden)
+    if residual is None:
+        return x2, x2, torch.empty_like(x2), x2
+    return x2, _rows(residual, hidden), torch.empty_like(x2), torch.empty_like(x2)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    x2, r2, out, new_residual = norm_tensors(x, residual, weight)
     if x2.shape[0]:
         block, num_warps = block_and_warps(hidden)
         _rms_norm_kernel[(x2.shape[0],)](

@@ -75,7 +75,7 @@ def set_up_exchange(enabled: bool, device: torch.device, dtype: torch.dtype) -> 
         reason = "an earlier process group of this process rendezvoused symmetric memory (torch counts them per " \
                  "process; this group's new ranks start from zero)"
     if device.type == "cuda":  # peer access and the rendezvous are each rank's own: all ranks take the path or none
-        reason = agreed(reason, device)
+        reason = agreed(reason)
         exchange = None
         if reason is None:
             try:
@@ -83,7 +83,7 @@ def set_up_exchange(enabled: bool, device: torch.device, dtype: torch.dtype) -> 
                 exchange = mapped_exchange(device, dtype)
             except (RuntimeError, OSError) as exc:
                 reason = f"symmetric memory could not be set up: {exc}"
-            reason = agreed(reason, device)
+            reason = agreed(reason)
         _exchange = exchange if reason is None else None
     if _exchange is None:
         return f"tensor-parallel sums through {dist.get_backend()} only: {reason}"
@@ -99,7 +99,7 @@ def mapped_exchange(device: torch.device, dtype: torch.dtype):
 
     from kernels.triton_all_reduce_norm import Exchange
     world, rank = dist.get_world_size(), dist.get_rank()
-    max_rows = min(MAX_ROWS, torch.cuda.get_device_properties(device).multi_processor_count)
+    max_rows = min_over_ranks(min(MAX_ROWS, torch.cuda.get_device_properties(device).multi_processor_count))
     pitch = ROW_BYTES // dtype.itemsize
     flag_words = 2 * max_rows * world
     group = dist.group.WORLD.group_name
@@ -123,10 +123,19 @@ def release_exchange() -> None:
     _exchange = _buffer = None
 
 
-def agreed(reason: str | None, device: torch.device) -> str | None:
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's value (what every rank must size alike: the KV cache's blocks, each rank sizing
+    its own from its free memory; the exchange's rows)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def agreed(reason: str | None) -> str | None:
     """This rank's reason, or one naming the others when only they cannot take the path."""
-    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(able, op=dist.ReduceOp.MIN)
-    if reason is None and not able.item():
+    if reason is None and not min_over_ranks(1 if reason is None else 0):
         return "another rank cannot take it"
     return reason

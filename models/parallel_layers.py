@@ -5,7 +5,8 @@ plain layer (world size 1 is the degenerate case, not a separate code path). Wit
 
 - ColumnParallelLinear / MergedColumnParallelLinear: 1/N of the output features (of each merged projection:
   q|k|v split by heads, gate|up); no communication, the output stays split.
-- RowParallelLinear: 1/N of the input features; the partial products are summed with one all-reduce.
+- RowParallelLinear: 1/N of the input features; the partial products are summed with one all-reduce, or by the
+  norm that reads them (leave_sum, models/all_reduce.py).
 - VocabParallelEmbedding: a contiguous 1/N of the vocabulary; ids outside it give zeros, one all-reduce.
 - ParallelLMHead: the same vocabulary rows; logits are gathered on rank 0 (the rank that samples).
 
@@ -33,17 +34,6 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def min_over_ranks(value: int) -> int:
-    """The smallest of every rank's value (each rank sizes its KV cache from its own free memory; the
-    block ids the scheduler hands out must exist on all of them)."""
-    if tp_size() == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
 
 
 def divide(total: int, parts: int, what: str) -> int:
