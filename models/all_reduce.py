@@ -37,7 +37,7 @@ class RankPartial(NamedTuple):
     part: Tensor
 
     def summed(self) -> Tensor:
-        """The sum itself, for a reader other than a norm (the EAGLE-3 capture of hidden states)."""
+        """The sum itself, in place of this rank's part."""
         dist.all_reduce(self.part)
         return self.part
 
@@ -136,6 +136,6 @@ def min_over_ranks(value: int) -> int:
 
 def agreed(reason: str | None) -> str | None:
     """This rank's reason, or one naming the others when only they cannot take the path."""
-    if reason is None and not min_over_ranks(1 if reason is None else 0):
+    if reason is None and not min_over_ranks(int(reason is None)):
         return "another rank cannot take it"
     return reason

@@ -121,7 +121,7 @@ class Attention(nn.Module):
         qkv_bias = bias or config.model_type in QKV_BIAS_MODEL_TYPES
         self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
                                                    quant=quant)
-        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias, quant=quant, leave_sum=True)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias, quant=quant)
         self.num_heads, self.num_kv_heads = (size // head_dim for size in self.qkv_proj.output_sizes[:2])
         if config.model_type in SINK_MODEL_TYPES:
             self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -198,8 +198,7 @@ class MLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size, ACTIVATIONS[activation],
                                                  bias=bias, quant=quant)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, quant=quant,
-                                           leave_sum=True)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, quant=quant)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -270,7 +269,7 @@ class LlamaModel(nn.Module):
         captured = {}
         for i, layer in enumerate(self.layers):
             if capture and i in self.aux_layers:
-                captured[i] = x if residual is None else (x.summed() if isinstance(x, RankPartial) else x) + residual
+                captured[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, meta, rope_positions)
         if capture:
             self.aux_sink(torch.cat([captured[i] for i in self.aux_layers], dim=-1), meta.slot_mapping)

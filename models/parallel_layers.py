@@ -5,8 +5,8 @@ plain layer (world size 1 is the degenerate case, not a separate code path). Wit
 
 - ColumnParallelLinear / MergedColumnParallelLinear: 1/N of the output features (of each merged projection:
   q|k|v split by heads, gate|up); no communication, the output stays split.
-- RowParallelLinear: 1/N of the input features; the partial products are summed with one all-reduce, or by the
-  norm that reads them (leave_sum, models/all_reduce.py).
+- RowParallelLinear: 1/N of the input features; the partial products are summed by the norm that reads them
+  (a RankPartial, models/all_reduce.py).
 - VocabParallelEmbedding: a contiguous 1/N of the vocabulary; ids outside it give zeros, one all-reduce.
 - ParallelLMHead: the same vocabulary rows; logits are gathered on rank 0 (the rank that samples).
 
@@ -265,14 +265,11 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(ParallelLinear):
-    """y = x W^T (+ b) where x holds this rank's input features [in_features / N]; the partial sums of all
-    ranks are added with one all-reduce (the bias once, on rank 0), or with leave_sum, by the norm that reads y
-    (a RankPartial, models/all_reduce.py)."""
+    """y = x W^T (+ b) where x holds this rank's input features [in_features / N]; with N > 1, y is this rank's
+    RankPartial (the bias in rank 0's), summed over the ranks by the norm that reads it (models/all_reduce.py)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Format | None = None,
-                 leave_sum: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Format | None = None):
         super().__init__()
-        self.leave_sum = leave_sum
         local = divide(in_features, self.tp_size, "the input size")
         self._weights(out_features, local, quant)
         self.bias = self._parameter(out_features, loader=default_weight_loader) if bias else None
@@ -287,11 +284,7 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor | RankPartial:
         y = self._project(x, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            if self.leave_sum:
-                return RankPartial(y)
-            dist.all_reduce(y)
-        return y
+        return RankPartial(y) if self.tp_size > 1 else y
 
 
 class VocabParallelEmbedding(ParallelModule):
