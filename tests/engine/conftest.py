@@ -1,14 +1,10 @@
 """Tiny random decoders saved as transformers checkpoints, and transformers' own greedy output as reference."""
-import gc
-
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine import kv_cache
 from random_decoders import MISTRAL_WINDOW, TINY, Reference, save_random_decoder
 
-CUDA_TEST_KV_BLOCKS = 1024
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
@@ -57,25 +53,3 @@ def _prompts_of_lengths(lengths, seed=1, vocab=TINY["vocab_size"]) -> list[list[
 def prompts_of_lengths():
     """prompts_of_lengths(lengths, seed=1): random token-id prompts of the given lengths."""
     return _prompts_of_lengths
-
-
-@pytest.fixture(autouse=True, scope="session")
-def engines_share_the_gpu():
-    """On CUDA an engine sizes its KV cache to gpu_memory_utilization of the whole GPU, counting what other
-    engines hold as used, so the second of two engines (or of two test workers) would get none: on CUDA, tests'
-    engines get a fixed pool unless they ask for one. Session-wide, since module fixtures build engines too."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kv_cache, "blocks_fitting_gpu", lambda *args: CUDA_TEST_KV_BLOCKS)
-        yield
-
-
-@pytest.fixture(autouse=True)
-def collect_dead_engines():
-    """Engines of earlier tests, kept alive by reference cycles, are collected after each test (on CUDA)."""
-    yield
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
