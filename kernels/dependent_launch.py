@@ -4,10 +4,13 @@ previous one (with kernels/triton_linear.py, a chain of norms and decode-size GE
 cuBLAS and plain launches).
 
 The contract, kept by every kernel launched with `launch_options`: `wait_for_previous` comes before its
-first access to memory that another kernel writes or reads (it returns once the previous kernel has finished
-and its writes are visible, and since that kernel had waited in turn, once all earlier work has), and
-`release_next` lets the next kernel launch. Kernels launched without the option (cuBLAS, torch) start only
-after the previous kernel ends, as always.
+first read of memory the previous kernel writes and its first write of memory another kernel reads or writes
+(it returns once the previous kernel has finished and its writes are visible, and since that kernel had waited
+in turn, once all earlier work has), and `release_next`, which lets the next kernel launch, comes after it.
+So a kernel starts only once everything before the previous kernel has finished: what that earlier work wrote
+(weights, a step's uploaded inputs, a residual or routing from further back) may be read before the wait, and
+those reads overlap the previous kernel's tail. Kernels launched without the option (cuBLAS, torch) start
+only after the previous kernel ends, as always.
 """
 import torch
 import triton

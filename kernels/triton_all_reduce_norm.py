@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.dependent_launch import launch_options, release_next, wait_for_previous
-from kernels.triton_norm import block_and_warps, norm_row, norm_tensors
+from kernels.triton_norm import block_and_warps, norm_operands, norm_row, norm_tensors
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,12 @@ def _all_reduce_rms_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
-    release_next(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w, residual = norm_operands(residual_ptr, weight_ptr, row.to(tl.int64), offs, mask, stride_r, HAS_RESIDUAL)
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
     arrived, free = flags[RANK] + row * WORLD, flags[RANK] + (MAX_ROWS + row) * WORLD
     for peer in tl.static_range(WORLD):
@@ -83,8 +84,8 @@ def _all_reduce_rms_norm_kernel(
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             tl.atomic_xchg(flags[peer] + (MAX_ROWS + row) * WORLD + RANK, 1, sem="release", scope="sys")
-    norm_row(total.to(x.dtype), row.to(tl.int64), offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-             stride_r, stride_o, stride_nr, eps, HIDDEN, HAS_RESIDUAL)  # the sum rounded as a collective hands it over
+    norm_row(total.to(x.dtype), residual, w, row.to(tl.int64), offs, mask, out_ptr, new_residual_ptr, stride_o,
+             stride_nr, eps, HIDDEN, HAS_RESIDUAL)  # the sum rounded as a collective hands it over
 
 
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -74,7 +74,8 @@ TILE_TABLE = (
 # expert is read twice), and the down GEMM sums each token's k rows itself. bench/moe_model.py's
 # --direct-max-tokens sets it, to time other bounds (0: the sorted path at batch 1 too).
 DIRECT_MAX_TOKENS = 1
-ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128  # route's tile: experts by columns of K
+ROUTE_BLOCK_E = 16  # route's tile: experts by a run of K
+ROUTE_MIN_K, ROUTE_MAX_K = 128, 512  # a run of K: a power of 2 between these, its weight tile held in registers
 ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
 
 
@@ -144,27 +145,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, arrivals_ptr, ids_ptr, weights_ptr, num_tokens, stride_x, K,
-                  K_PER_SPLIT, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     """The router GEMM and the top-k of a few tokens in one launch: each program sums BLOCK_E experts' logits
     over one of SPLIT_K runs of K for every token into float32 parts; the last program to arrive adds the parts
     in split order (and the bias), rounds each logit to x's dtype as the router's linear layer stores it, and
-    picks every token's experts."""
+    picks every token's experts. A program's weight tile is loaded before it waits for the kernel before it (no
+    kernel writes it: kernels/dependent_launch.py), so only x's read is left to the step's chain."""
     pid = tl.program_id(0)
     split, experts = pid % SPLIT_K, (pid // SPLIT_K) * BLOCK_E + tl.arange(0, BLOCK_E)
-    expert_mask = experts < NUM_EXPERTS
-    ks = tl.arange(0, BLOCK_K)
+    ks = split * K_PER_SPLIT + tl.arange(0, K_PER_SPLIT)
+    expert_mask, k_mask = experts < NUM_EXPERTS, ks < K
+    w = tl.load(w_ptr + experts[:, None] * K + ks[None, :], mask=expert_mask[:, None] & k_mask[None, :], other=0.0)
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     for token in range(num_tokens):
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
-            k_mask = k0 + ks < K
-            x = tl.load(x_ptr + token * stride_x + k0 + ks, mask=k_mask, other=0.0)
-            w = tl.load(w_ptr + experts[:, None] * K + (k0 + ks)[None, :], mask=expert_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+        x = tl.load(x_ptr + token * stride_x + ks, mask=k_mask, other=0.0)
+        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
         tl.store(part_ptr + (split * num_tokens + token) * NUM_EXPERTS + experts, acc, mask=expert_mask)
     if is_last_arrival(arrivals_ptr, tl.num_programs(0)):
         all_experts = tl.arange(0, EXPERTS_POW2)
@@ -195,14 +193,15 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=hidden.device)
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=hidden.device)
     expert_tiles = triton.cdiv(num_experts, ROUTE_BLOCK_E)
-    split_k = max(1, min(triton.cdiv(hidden_size, ROUTE_BLOCK_K), ROUTE_PROGRAMS // expert_tiles))
-    k_per_split = triton.cdiv(triton.cdiv(hidden_size, split_k), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
+    wanted_splits = max(1, ROUTE_PROGRAMS // expert_tiles)
+    k_per_split = min(ROUTE_MAX_K, max(ROUTE_MIN_K, triton.next_power_of_2(triton.cdiv(hidden_size, wanted_splits))))
+    split_k = triton.cdiv(hidden_size, k_per_split)
     parts = torch.empty((split_k, num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
     _route_kernel[(expert_tiles * split_k,)](
         hidden, router_weight, router_bias if router_bias is not None else router_weight, parts,
-        arrival_counters(1, hidden.device), ids, weights, num_tokens, hidden.stride(0), hidden_size, k_per_split,
+        arrival_counters(1, hidden.device), ids, weights, num_tokens, hidden.stride(0), hidden_size,
         NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
-        RENORMALIZE=renormalize, HAS_BIAS=router_bias is not None, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K,
+        RENORMALIZE=renormalize, HAS_BIAS=router_bias is not None, BLOCK_E=ROUTE_BLOCK_E, K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k, num_warps=max(4, top_k_warps(num_experts)), **launch_options(hidden))
     return ids, weights
 
@@ -444,14 +443,17 @@ def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, part_
     DIRECT (blocks as in _gate_up_kernel's): each row's weighted product goes to its float32 part [N] and the
     last of a token's k rows to arrive at a column tile adds the k parts in slot order into out[token]."""
     block, cols, col_mask = _column_tile(N, BLOCK_N)
-    wait_for_previous(USE_PDL)
+    # The routing was written before the gate/up GEMM this kernel follows: read before the wait, it costs the step
+    # no round trip (kernels/dependent_launch.py).
     expert = tl.load(block_expert_ptr + block)
+    slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M, DIRECT)
+    routing_weight = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
+    wait_for_previous(USE_PDL)
     if expert < NUM_EXPERTS:
-        slots, rows, row_mask = _block_rows(sorted_ptr, block, num_rows, BLOCK_M, DIRECT)
         acc = _down_rows(x_ptr, w_ptr, scales_ptr, bias_ptr, expert, slots, row_mask, cols, col_mask, N, K, HAS_BIAS,
                          MXFP4, X_FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         release_next(USE_PDL)
-        acc *= tl.load(weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        acc *= routing_weight[:, None]
         if DIRECT:
             tl.store(part_ptr + block.to(tl.int64) * N + cols, tl.sum(tl.where(row_mask[:, None], acc, 0.0), 0),
                      mask=col_mask)

@@ -14,28 +14,38 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_nr, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
-    release_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w, r = norm_operands(residual_ptr, weight_ptr, row, offs, mask, stride_r, HAS_RESIDUAL)
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    norm_row(x, row, offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r, stride_o, stride_nr,
-             eps, HIDDEN, HAS_RESIDUAL)
+    norm_row(x, r, w, row, offs, mask, out_ptr, new_residual_ptr, stride_o, stride_nr, eps, HIDDEN, HAS_RESIDUAL)
 
 
 @triton.jit
-def norm_row(x, row, offs, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r, stride_o, stride_nr,
-             eps, HIDDEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Stores row `row` of rms_norm(x) or, with a residual, of rms_norm(x + residual) and x + residual, x being
-    that row in registers."""
+def norm_operands(residual_ptr, weight_ptr, row, offs, mask, stride_r, HAS_RESIDUAL: tl.constexpr):
+    """(weight, residual row) of a norm, loaded before the kernel waits for the one before it: that kernel writes
+    neither (it wrote x), and everything launched earlier has finished (kernels/dependent_launch.py), so these
+    reads overlap its tail. Without a residual, the weight stands in for it."""
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    r = w
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    return w, r
+
+
+@triton.jit
+def norm_row(x, r, w, row, offs, mask, out_ptr, new_residual_ptr, stride_o, stride_nr, eps, HIDDEN: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr):
+    """Stores row `row` of rms_norm(x) or, with a residual, of rms_norm(x + residual) and x + residual, x, the
+    residual row r and the weight w being in registers."""
+    if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(new_residual_ptr + row * stride_nr + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     y = (xf * rstd).to(x.dtype) * w
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
