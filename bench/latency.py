@@ -5,7 +5,8 @@ model's block-wise FP8 copy next (bench/random_model.py), each on an engine of i
 
 --json-schema also times every row under a JSON-schema grammar (an array of at least 1,000 strings, so no row
 ends within the run) and --top-logprobs K every row asking for K logprobs per token, each against the
-unconstrained time at the same batch in the same run. Random weights come with no tokenizer: the grammar is
+unconstrained time at the same batch in the same run; --temperature T the same for every row sampling at T
+(the plain runs are greedy). Random weights come with no tokenizer: the grammar is
 compiled for a synthetic byte-level vocabulary of the model's size (single bytes, pseudo-words with and
 without a leading space, and a few percent of punctuation tokens, quotes among them, as in a real BPE vocab).
 """
@@ -67,9 +68,9 @@ def long_json_grammar(model_path: str):
     return xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(LONG_JSON), any_whitespace=False)
 
 
-def run_to_first_token(core, prompts, max_tokens, logprobs=None, grammar=None) -> list:
+def run_to_first_token(core, prompts, max_tokens, logprobs=None, grammar=None, temperature=0.0) -> list:
     """Admits the prompts and steps until each has its first token; returns the sequences."""
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, logprobs=logprobs)
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens, logprobs=logprobs)
     if grammar is not None:  # xgrammar only where a grammar is asked for (the GPU image has none)
         from handler.grammar import GrammarConstraint
     seqs = [core.make_sequence(object(), p, params, GrammarConstraint(grammar) if grammar is not None else None)
@@ -93,9 +94,9 @@ def time_to_first_token(core, prompt_len: int, repeats: int) -> float:
 
 
 def time_per_output_token(core, batch: int, prompt_len: int, steps: int, **features) -> float:
-    """features: run_to_first_token's logprobs and grammar, for every row. Rows admitted first decode while the
-    later ones prefill, so each may generate as many tokens as the context leaves: every row runs the whole
-    time, and the batch stays whole."""
+    """features: run_to_first_token's logprobs, grammar and temperature, for every row. Rows admitted first
+    decode while the later ones prefill, so each may generate as many tokens as the context leaves: every row
+    runs the whole time, and the batch stays whole."""
     seqs = run_to_first_token(core, [random_prompt(prompt_len) for _ in range(batch)],
                               max_tokens=core.max_model_len - prompt_len, **features)
     times = []
@@ -126,6 +127,8 @@ def measure(path: str, args, **settings) -> tuple[list[tuple[str, str, float]], 
         variants["json-schema"] = {"grammar": long_json_grammar(path)}
     if args.top_logprobs is not None:
         variants[f"top-logprobs {args.top_logprobs}"] = {"logprobs": args.top_logprobs}
+    if args.temperature is not None:
+        variants[f"temperature {args.temperature}"] = {"temperature": args.temperature}
     compared = []
     for batch in map(int, args.batches.split(",")):
         tpot = time_per_output_token(core, batch, args.prompt_len, args.steps)
@@ -152,6 +155,7 @@ def main():
     ap.add_argument("--no-overlap", action="store_true", help="read each step's ids before launching the next")
     ap.add_argument("--json-schema", action="store_true", help="also time every row under a long JSON schema")
     ap.add_argument("--top-logprobs", type=int, help="also time every row asking for this many logprobs")
+    ap.add_argument("--temperature", type=float, help="also time every row sampling at this temperature")
     add_fp8_arguments(ap, "then the model's block-wise FP8 copy, on an engine of its own")
     add_gpu_features_argument(ap)
     add_all_reduce_argument(ap)

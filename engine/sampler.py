@@ -162,7 +162,7 @@ class Sampler:
 
     def choose(self, logits: Tensor, seqs: list[Sequence], plan: SamplingPlan, ahead: int | list[int]) -> Tensor:
         if plan.all_greedy:
-            return logits.argmax(-1)
+            return kernels.gumbel_argmax(logits, None, None)
         if not plan.uses_masks:
             return self.draw(logits, seqs, plan, ahead)
         sampled = self.draw(logits.float().masked_fill(self.dropped(logits, plan), float("-inf")), seqs, plan, ahead)

@@ -301,10 +301,11 @@ def qkv_paged_attention(
     return backend.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, k_scale, v_scale)
 
 
-def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
+def gumbel_argmax(logits: Tensor, temperature: Tensor | None, seeds: Tensor | None) -> Tensor:
     """One token per row of logits [N, V]: argmax(logits / temperature + Gumbel noise), a draw from
-    softmax(logits / temperature); argmax(logits) where temperature is below GREEDY_TEMPERATURE. The noise of a
-    row is a function of its int64 seed alone (Philox on CUDA, a seeded torch generator on CPU)."""
+    softmax(logits / temperature); argmax(logits) where temperature is below GREEDY_TEMPERATURE, and in every row
+    when temperature and seeds are None. The noise of a row is a function of its int64 seed alone (Philox on CUDA,
+    a seeded torch generator on CPU)."""
     return _backend_of(logits).gumbel_argmax(logits, temperature, seeds)
 
 

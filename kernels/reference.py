@@ -325,9 +325,11 @@ def qkv_prologue(
     return (q, k, v) if return_kv else (q, None, None)
 
 
-def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor) -> Tensor:
+def gumbel_argmax(logits: Tensor, temperature: Tensor | None, seeds: Tensor | None) -> Tensor:
     """The draw of kernels/triton_sampling.py, with each row's uniform noise from a torch generator seeded
     with the row's seed: other numbers than Philox, the same distribution."""
+    if temperature is None:
+        return logits.argmax(-1)
     if not len(seeds):
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     uniform = torch.stack([torch.rand(logits.shape[1], generator=torch.Generator().manual_seed(seed))

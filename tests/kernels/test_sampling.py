@@ -5,6 +5,7 @@ import torch
 from kernel_testing import DEVICE
 
 from kernels import reference
+from kernels.split_arrivals import num_sms
 from kernels.triton_sampling import apply_token_bitmask, gumbel_argmax
 
 IMPLEMENTATIONS = {"triton": gumbel_argmax, "reference": reference.gumbel_argmax}
@@ -56,6 +57,32 @@ def test_greedy_rows_seeds_and_a_vocabulary_over_several_blocks(name):
     assert ids[2] == alone
     draws = {sample(logits[2:3], temperature[2:3], torch.tensor([seed], device=DEVICE)).item() for seed in range(40)}
     assert len(draws) > 20  # near-flat logits at temperature 1: different seeds, different tokens
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_all_greedy_rows_take_the_first_of_equal_maxima_across_splits(name):
+    """temperature None: every row greedy (the sampler's all-greedy batches). A few rows cut their vocabulary
+    into splits (three blocks here, on any GPU); a maximum that recurs in several resolves to its first column,
+    as torch.argmax does."""
+    sample = IMPLEMENTATIONS[name]
+    logits = torch.randn(3, 9000, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    logits[0, [70, 4100, 8990]] = logits[1, 8999] = logits[2, [4097, 5000]] = 9.0
+    assert sample(logits, None, None).tolist() == [70, 8999, 4097]
+    assert sample(logits[:1], None, None).tolist() == [70]
+    bf16 = logits.bfloat16()
+    assert sample(bf16, None, None).tolist() == bf16.argmax(-1).tolist()
+
+
+@pytest.mark.slow  # hundreds of rows through the interpreted kernel
+def test_a_draw_is_the_same_whether_its_row_is_split_or_whole():
+    """A row alone is searched by several programs; in a batch that fills the GPU, by one: the same draw."""
+    rows = 2 * num_sms(torch.device(DEVICE))
+    logits = torch.randn(rows, 9000, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    temperature = torch.linspace(0.0, 1.5, rows, device=DEVICE)
+    seeds = torch.arange(rows, device=DEVICE) * 7919
+    whole = gumbel_argmax(logits, temperature, seeds)
+    for row in (0, 1, rows // 2, rows - 1):
+        assert gumbel_argmax(logits[row:row + 1], temperature[row:row + 1], seeds[row:row + 1]).item() == whole[row]
 
 
 def test_rejects_strided_vocabulary():
