@@ -194,10 +194,28 @@ def _normalised(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS: tl.constex
 
 
 @triton.jit
-def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NORM: tl.constexpr,
+def _rotation(cos_sin_row, dims, HEAD_DIM: tl.constexpr):
+    """(cos, sin negated on the first half), float32 [D], of NeoX rotary at the position of cos_sin_row."""
+    half = dims % (HEAD_DIM // 2)
+    cos = tl.load(cos_sin_row + half)
+    return cos, tl.load(cos_sin_row + HEAD_DIM // 2 + half) * tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+
+
+@triton.jit
+def _norm_weight(norm_ptr, dims, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A per-head RMSNorm's weight, float32 [D, 2]: at each dimension, and at its rotary partner (the other
+    half's); zeros without HAS_NORM."""
+    weight = tl.zeros([HEAD_DIM, 2], dtype=tl.float32)
+    if HAS_NORM:
+        weight = tl.load(norm_ptr + tl.join(dims, (dims + HEAD_DIM // 2) % HEAD_DIM)).to(tl.float32)
+    return weight
+
+
+@triton.jit
+def _normed_rotated(rows_ptr, mask, dims, norm, cos, signed_sin, eps, HAS_NORM: tl.constexpr,
                     HEAD_DIM: tl.constexpr):
-    """Heads [R, D] at rows_ptr [R, 1] after per-head RMSNorm (HAS_NORM) and NeoX rotary (cos, and sin negated
-    on the first half, both [D]), rounded to the input dtype after each step as kernels/triton_prologue.py
+    """Heads [R, D] at rows_ptr [R, 1] after per-head RMSNorm (HAS_NORM, norm: _norm_weight's) and NeoX rotary
+    (_rotation's cos and signed sin), rounded to the input dtype after each step as kernels/triton_prologue.py
     rounds. Each element's rotary partner (the other half's) is loaded beside it."""
     partner = (dims + HEAD_DIM // 2) % HEAD_DIM
     x = tl.load(rows_ptr + dims[None, :], mask=mask, other=0.0)
@@ -206,7 +224,7 @@ def _normed_rotated(rows_ptr, mask, dims, norm_ptr, cos, signed_sin, eps, HAS_NO
     xp = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
-        w, wp = tl.load(norm_ptr + dims).to(tl.float32), tl.load(norm_ptr + partner).to(tl.float32)
+        w, wp = norm.split()
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     return (x * cos[None, :] + xp * signed_sin[None, :]).to(dtype)
@@ -225,8 +243,6 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
-    release_next(USE_PDL)
     # Programs start in grid order: a sequence's KV heads (which share each cache row) side by side, then its
     # splits, then the next sequence, longest context first when ORDERED, so the last programs are short.
     kv_head = tl.program_id(0)
@@ -267,14 +283,22 @@ def _decode_kernel(
 
     dims = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + seq.to(tl.int64) * stride_qt
-    if PROLOGUE:
+    if PROLOGUE:  # the rotation and the norms' weights, read before the wait as the step's inputs above are
         position = seq_len - 1
         if HAS_POSITIONS:
             position = tl.load(positions_ptr + seq).to(tl.int32)
+        cos, signed_sin = _rotation(cos_sin_ptr + position.to(tl.int64) * stride_cs, dims, HEAD_DIM)
+        q_norm = _norm_weight(q_norm_ptr, dims, HAS_NORM, HEAD_DIM)
+        k_norm = _norm_weight(k_norm_ptr, dims, HAS_NORM, HEAD_DIM)
+    # Everything read so far is a step input or a weight, no output of the kernel before (the qkv GEMM or the
+    # prologue kernel): read before the wait, it leaves the step's chain (kernels/dependent_launch.py).
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    if PROLOGUE:
         q = _rotated_query_storing_new_key(q_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                           v_scale_ptr, cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps,
-                                           slot_mapping_ptr, seq, seq_len, position, hi, kv_head, num_kv_heads,
-                                           stride_slot, HAS_NORM, NUM_Q_HEADS, HEAD_DIM, FP8)
+                                           v_scale_ptr, cos, signed_sin, q_norm, k_norm, eps, slot_mapping_ptr, seq,
+                                           seq_len, hi, kv_head, num_kv_heads, stride_slot, HAS_NORM, NUM_Q_HEADS,
+                                           HEAD_DIM, FP8)
     else:
         q = tl.load(q_row + heads[:, None] * stride_qh + dims[None, :], mask=row_mask[:, None], other=0.0)
     q = dot_operand(q, FP8)
@@ -313,23 +337,19 @@ def _decode_kernel(
 
 @triton.jit
 def _rotated_query_storing_new_key(qkv_row, heads, row_mask, dims, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                   cos_sin_ptr, stride_cs, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, seq, seq_len,
-                                   position, hi, kv_head, num_kv_heads, stride_slot, HAS_NORM: tl.constexpr,
-                                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    """The prologue inside a decode program, reading the fused qkv row of its sequence (rotated at `position`:
-    seq_len - 1, or an M-RoPE model's shifted one): returns the group's queries normed and rotated; the program
-    whose keys end at seq_len also norms and rotates the new key, stores it and the new value in the cache slot
-    (quantized with its head's scales into an FP8 cache), and waits for the stores before its reads of the cache
-    (a block barrier makes them visible to the whole program)."""
-    half = dims % (HEAD_DIM // 2)
-    cos_sin = cos_sin_ptr + position.to(tl.int64) * stride_cs
-    cos = tl.load(cos_sin + half)
-    signed_sin = tl.load(cos_sin + HEAD_DIM // 2 + half) * tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
-    q = _normed_rotated(qkv_row + heads[:, None] * HEAD_DIM, row_mask[:, None], dims, q_norm_ptr, cos, signed_sin,
+                                   cos, signed_sin, q_norm, k_norm, eps, slot_mapping_ptr, seq, seq_len, hi, kv_head,
+                                   num_kv_heads, stride_slot, HAS_NORM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+                                   HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """The prologue inside a decode program, reading the fused qkv row of its sequence (rotated by cos and
+    signed_sin: at seq_len - 1, or an M-RoPE model's shifted position): returns the group's queries normed and
+    rotated; the program whose keys end at seq_len also norms and rotates the new key, stores it and the new value
+    in the cache slot (quantized with its head's scales into an FP8 cache), and waits for the stores before its
+    reads of the cache (a block barrier makes them visible to the whole program)."""
+    q = _normed_rotated(qkv_row + heads[:, None] * HEAD_DIM, row_mask[:, None], dims, q_norm, cos, signed_sin,
                         eps, HAS_NORM, HEAD_DIM)
     if hi == seq_len:
         key_row = qkv_row + (NUM_Q_HEADS + kv_head) * HEAD_DIM + tl.zeros([1, 1], dtype=tl.int32)
-        k = _normed_rotated(key_row, dims[None, :] < HEAD_DIM, dims, k_norm_ptr, cos, signed_sin, eps, HAS_NORM,
+        k = _normed_rotated(key_row, dims[None, :] < HEAD_DIM, dims, k_norm, cos, signed_sin, eps, HAS_NORM,
                             HEAD_DIM)
         v = tl.load(qkv_row + (NUM_Q_HEADS + num_kv_heads + kv_head) * HEAD_DIM + dims[None, :])
         if FP8:
