@@ -97,5 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual) in one pass over memory."""
+    """(rms_norm(x + residual), x + residual) in one pass over memory. The residual is read before the kernel waits
+    for the one launched before it (norm_operands): it must come from earlier work, as a decoder's residual stream
+    does, never from that kernel."""
     return _launch(x, residual, weight, eps)
