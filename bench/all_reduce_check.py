@@ -37,9 +37,7 @@ def inputs(shape, dtype, rank: int, step: int = 0) -> tuple[torch.Tensor, torch.
 
 
 def through_nccl(shape, dtype, step: int = 0):
-    part, residual, weight = inputs(shape, dtype, dist.get_rank(), step)
-    dist.all_reduce(part)
-    return add_rms_norm(part, residual, weight, EPS)
+    return nccl_then_norm(*inputs(shape, dtype, dist.get_rank(), step))
 
 
 def same_on_every_rank(t: torch.Tensor) -> bool:

@@ -135,7 +135,9 @@ def min_over_ranks(value: int) -> int:
 
 
 def agreed(reason: str | None) -> str | None:
-    """This rank's reason, or one naming the others when only they cannot take the path."""
-    if reason is None and not min_over_ranks(int(reason is None)):
+    """This rank's reason, or one naming the others when only they cannot take the path. A collective: every rank
+    joins it, those with a reason of their own too."""
+    every_rank_can = min_over_ranks(int(reason is None))
+    if reason is None and not every_rank_can:
         return "another rank cannot take it"
     return reason

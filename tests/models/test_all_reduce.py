@@ -54,6 +54,15 @@ def test_a_process_that_rendezvoused_before_keeps_its_next_group_on_the_group_ba
     assert "an earlier process group of this process rendezvoused" in line and all_reduce._exchange is None
 
 
+def test_every_rank_joins_the_agreement_even_with_a_reason_of_its_own(monkeypatch):
+    """A rank that cannot take the path still joins the collective its peers wait in, or they would wait forever."""
+    joined = []
+    monkeypatch.setattr(all_reduce, "min_over_ranks", lambda value: joined.append(value) or 0)
+    assert all_reduce.agreed("no peer access") == "no peer access"
+    assert all_reduce.agreed(None) == "another rank cannot take it"
+    assert joined == [0, 1]
+
+
 def test_the_switch_comes_from_the_environment():
     assert EngineConfig("/m").p2p_all_reduce
     assert not EngineConfig.from_env("/m", {"HFENDPOINT_P2P_ALL_REDUCE": "false"}).p2p_all_reduce
