@@ -24,7 +24,8 @@ gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and 
 (kernels/mxfp4.py: gpt-oss's experts as published): the GEMMs then read the packed 4-bit codes and their scales
 and multiply them in registers, with tl.dot_scaled for bf16 and fp16 activations (on Hopper, which has no FP4
 MMA, Triton upcasts the codes for a bf16 MMA: what MXFP4 saves there is bytes read) and, for float32 ones, one
-pair of dots per 32-column scale group.
+pair of dots per 32-column scale group. A directly routed step has one row per block: it skips the MMA, whose
+upcast is sized for 16 rows, and decodes each code once on the CUDA cores (_mxfp4_row_dot).
 """
 import math
 from dataclasses import dataclass
@@ -79,7 +80,13 @@ ROUTE_MIN_K, ROUTE_MAX_K = 128, 512  # a run of K: a power of 2 between these, i
 ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
 
 
-def choose_tiles(num_tokens: int) -> MoeTiles:
+# A directly routed step over MXFP4 experts multiplies its one row without an MMA (_mxfp4_row_dot): BLOCK_M 1.
+DIRECT_MXFP4_TILES = MoeTiles(1, GemmTiles(16, 256, 4, 2), GemmTiles(16, 256, 4, 2))
+
+
+def choose_tiles(num_tokens: int, mxfp4: bool = False) -> MoeTiles:
+    if mxfp4 and num_tokens <= DIRECT_MAX_TOKENS:
+        return DIRECT_MXFP4_TILES
     return next(tiles for bound, tiles in TILE_TABLE if num_tokens <= bound)
 
 
@@ -318,6 +325,37 @@ def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, 
 
 
 @triton.jit
+def _e2m1_over_2_14(codes):
+    """4-bit E2M1 codes (int32) as float32 values times 2^-14, exact, by bit operations and one conversion: the
+    code's magnitude bits shifted into a float16's exponent and mantissa make that value (0.5, whose exponent bits
+    are 0, a subnormal one), its sign bit into the sign."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mxfp4_row_dot(x_row, blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_K: tl.constexpr):
+    """One activation row (x_row: a pointer to its first column) times weight rows `rows` [BLOCK_N] (int64) of an
+    MXFP4 weight with K columns, over columns k0 .. k0 + BLOCK_K - 1: [BLOCK_N] float32. No MMA: each code is
+    decoded once (_e2m1_over_2_14) and multiplied on the CUDA cores, each 32-column group summed, then scaled."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    groups = k0 // 32 + tl.arange(0, GROUPS)
+    in_k = groups < K // 32
+    byte_cols = groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [GROUPS, 16]: a group's 16 bytes
+    row_bytes = tl.multiple_of(rows * (K // 2), 16)  # K is whole groups
+    packed = tl.load(blocks_ptr + row_bytes[:, None, None] + byte_cols[None, :, :],
+                     mask=row_mask[:, None, None] & in_k[None, :, None], other=0).to(tl.int32)
+    pairs = tl.load(x_row + 2 * byte_cols[:, :, None] + tl.arange(0, 2)[None, None, :], mask=in_k[:, None, None],
+                    other=0.0).to(tl.float32)  # [GROUPS, 16, 2]: a low nibble's column, then its high one's
+    x_low, x_high = tl.split(pairs)
+    sums = tl.sum(_e2m1_over_2_14(packed & 0xF) * x_low[None, :, :] + _e2m1_over_2_14(packed >> 4) * x_high[None, :, :],
+                  2)
+    exponents = tl.load(scales_ptr + rows[:, None] * (K // 32) + groups[None, :],
+                        mask=row_mask[:, None] & in_k[None, :], other=0)
+    return tl.sum(sums * 16384.0 * tl.exp2(exponents.to(tl.float32) - 127.0), 1)
+
+
+@triton.jit
 def _mxfp4_scaled_dot(acc, x, blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_K: tl.constexpr,
                       X_FORMAT: tl.constexpr):
     """acc + x [BLOCK_M, BLOCK_K] (columns k0 ..) times weight rows `rows` [BLOCK_N] (int64) of an MXFP4 weight
@@ -354,7 +392,11 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
         gate_rows = expert.to(tl.int64) * 2 * INTER + cols
         x_rows = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x
         for k0 in range(0, K, BLOCK_K):
-            if MXFP4 and X_FORMAT != "":
+            if MXFP4 and DIRECT:
+                token_row = x_ptr + (block // TOP_K).to(tl.int64) * stride_x
+                gate += _mxfp4_row_dot(token_row, w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_K)[None, :]
+                up += _mxfp4_row_dot(token_row, w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_K)[None, :]
+            elif MXFP4 and X_FORMAT != "":
                 x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
                 gate = _mxfp4_scaled_dot(gate, x, w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_K, X_FORMAT)
                 up = _mxfp4_scaled_dot(up, x, w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_K,
@@ -399,16 +441,20 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
 @triton.jit
 def _down_rows(x_ptr, w_ptr, scales_ptr, bias_ptr, expert, slots, row_mask, cols, col_mask, N, K,
                HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               DIRECT: tl.constexpr):
     """x[slot] . down[n] + b for the slots' rows and BLOCK_N columns of one expert: [BLOCK_M, BLOCK_N] float32;
-    MXFP4 as in _gate_up_kernel."""
+    MXFP4 and DIRECT as in _gate_up_kernel."""
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + slots.to(tl.int64)[:, None] * K + ks[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + slots.to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
-        if MXFP4 and X_FORMAT != "":
+        if MXFP4 and DIRECT:  # every slot is the block's one row
+            acc += _mxfp4_row_dot(x_ptr + tl.min(slots, 0).to(tl.int64) * K, w_ptr, scales_ptr,
+                                  expert.to(tl.int64) * N + cols, col_mask, k0, K, BLOCK_K)[None, :]
+        elif MXFP4 and X_FORMAT != "":
             x = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + ks < K)[None, :], other=0.0)
             acc = _mxfp4_scaled_dot(acc, x, w_ptr, scales_ptr, expert.to(tl.int64) * N + cols, col_mask, k0, K,
                                     BLOCK_K, X_FORMAT)
@@ -451,7 +497,7 @@ def _down_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, weights_ptr, out_ptr, part_
     wait_for_previous(USE_PDL)
     if expert < NUM_EXPERTS:
         acc = _down_rows(x_ptr, w_ptr, scales_ptr, bias_ptr, expert, slots, row_mask, cols, col_mask, N, K, HAS_BIAS,
-                         MXFP4, X_FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+                         MXFP4, X_FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, DIRECT)
         release_next(USE_PDL)
         acc *= routing_weight[:, None]
         if DIRECT:
@@ -496,7 +542,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         hidden = hidden.contiguous()
     if not num_tokens:
         return torch.zeros_like(hidden)
-    tiles = tiles or choose_tiles(num_tokens)
+    tiles = tiles or choose_tiles(num_tokens, all(isinstance(w, Mxfp4Weight) for w in (w_gate_up, w_down)))
     if num_tokens <= DIRECT_MAX_TOKENS:
         sorted_rows, block_experts = None, topk_ids.reshape(-1).to(torch.int32).contiguous()
     else:
