@@ -25,7 +25,7 @@ gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and 
 and multiply them in registers, with tl.dot_scaled for bf16 and fp16 activations (on Hopper, which has no FP4
 MMA, Triton upcasts the codes for a bf16 MMA: what MXFP4 saves there is bytes read) and, for float32 ones, one
 pair of dots per 32-column scale group. A directly routed step has one row per block: it skips the MMA, whose
-upcast is sized for 16 rows, and decodes each code once on the CUDA cores (_mxfp4_row_dot).
+upcast is sized for 16 rows, and decodes the codes on the CUDA cores (_mxfp4_row_dot).
 """
 import math
 from dataclasses import dataclass
@@ -325,34 +325,52 @@ def _mxfp4_group_dot(x_rows, x_mask, blocks_ptr, scales_ptr, rows, row_mask, k, 
 
 
 @triton.jit
-def _e2m1_over_2_14(codes):
-    """4-bit E2M1 codes (int32) as float32 values times 2^-14, exact, by bit operations and one conversion: the
-    code's magnitude bits shifted into a float16's exponent and mantissa make that value (0.5, whose exponent bits
-    are 0, a subnormal one), its sign bit into the sign."""
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1_pairs_over_2_14(words, SHIFT: tl.constexpr):
+    """The two 4-bit E2M1 codes at bits SHIFT and SHIFT + 16 of int32 words as float32 values times 2^-14, exact:
+    each code's magnitude bits moved into the exponent and mantissa of a float16 in its half of the word (0.5,
+    whose exponent bits are 0, a subnormal one) and its sign bit into the sign, both halves in the same operations."""
+    halves = (((words >> SHIFT) & 0x00070007) << 9) | (((words >> (SHIFT + 3)) & 0x00010001) << 15)
+    low = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _code_pair_products(sums, words, SHIFT: tl.constexpr, x_pair):
+    """sums + the products of the codes at bits SHIFT and SHIFT + 16 of each word with their columns of x_pair
+    [..., 2] (the first code's, the second's)."""
+    low, high = _e2m1_pairs_over_2_14(words, SHIFT)
+    x_low, x_high = tl.split(x_pair)
+    sums += low * x_low[None, :, :]
+    return sums + high * x_high[None, :, :]
 
 
 @triton.jit
 def _mxfp4_row_dot(x_row, blocks_ptr, scales_ptr, rows, row_mask, k0, K, BLOCK_K: tl.constexpr):
     """One activation row (x_row: a pointer to its first column) times weight rows `rows` [BLOCK_N] (int64) of an
-    MXFP4 weight with K columns, over columns k0 .. k0 + BLOCK_K - 1: [BLOCK_N] float32. No MMA: each code is
-    decoded once (_e2m1_over_2_14) and multiplied on the CUDA cores, each 32-column group summed, then scaled."""
+    MXFP4 weight with K columns, over columns k0 .. k0 + BLOCK_K - 1: [BLOCK_N] float32. No MMA: the codes are read
+    as int32 words (word w: the codes of columns 8w .. 8w + 7, code n at bits 4n), decoded two at a time
+    (_e2m1_pairs_over_2_14) and multiplied on the CUDA cores; each 32-column group is summed, then scaled."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     groups = k0 // 32 + tl.arange(0, GROUPS)
     in_k = groups < K // 32
-    byte_cols = groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [GROUPS, 16]: a group's 16 bytes
-    row_bytes = tl.multiple_of(rows * (K // 2), 16)  # K is whole groups
-    packed = tl.load(blocks_ptr + row_bytes[:, None, None] + byte_cols[None, :, :],
-                     mask=row_mask[:, None, None] & in_k[None, :, None], other=0).to(tl.int32)
-    pairs = tl.load(x_row + 2 * byte_cols[:, :, None] + tl.arange(0, 2)[None, None, :], mask=in_k[:, None, None],
-                    other=0.0).to(tl.float32)  # [GROUPS, 16, 2]: a low nibble's column, then its high one's
-    x_low, x_high = tl.split(pairs)
-    sums = tl.sum(_e2m1_over_2_14(packed & 0xF) * x_low[None, :, :] + _e2m1_over_2_14(packed >> 4) * x_high[None, :, :],
-                  2)
+    words = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [GROUPS, 4]: a group's 16 bytes
+    row_words = tl.multiple_of(rows * (K // 8), 4)  # K is whole groups
+    packed = tl.load(blocks_ptr.to(tl.pointer_type(tl.int32)) + row_words[:, None, None] + words[None, :, :],
+                     mask=row_mask[:, None, None] & in_k[None, :, None], other=0)
+    # each word's eight columns of x, read at once, split by code n = 4a + 2b + c (on c, then b): x_n [GROUPS, 4, 2]
+    # holds the columns of codes n and n + 4 (a = 0, 1), which _e2m1_pairs_over_2_14 decodes together
+    x = tl.load(x_row + 8 * words[:, :, None] + tl.arange(0, 8)[None, None, :], mask=in_k[:, None, None], other=0.0)
+    x_c0, x_c1 = tl.split(tl.reshape(x.to(tl.float32), (GROUPS, 4, 2, 2, 2)))
+    x_0, x_2 = tl.split(x_c0)
+    x_1, x_3 = tl.split(x_c1)
+    sums = _code_pair_products(tl.zeros(packed.shape, dtype=tl.float32), packed, 0, x_0)
+    sums = _code_pair_products(sums, packed, 4, x_1)
+    sums = _code_pair_products(sums, packed, 8, x_2)
+    sums = _code_pair_products(sums, packed, 12, x_3)
     exponents = tl.load(scales_ptr + rows[:, None] * (K // 32) + groups[None, :],
                         mask=row_mask[:, None] & in_k[None, :], other=0)
-    return tl.sum(sums * 16384.0 * tl.exp2(exponents.to(tl.float32) - 127.0), 1)
+    return tl.sum(tl.sum(sums, 2) * 16384.0 * tl.exp2(exponents.to(tl.float32) - 127.0), 1)
 
 
 @triton.jit
