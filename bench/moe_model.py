@@ -11,14 +11,14 @@ The weights are random (speed depends on shapes, not values) and drawn on the GP
 (bench/random_model.py's draw_weights_at_load): nothing is written to or read from disk.
 
 After the TPOT rows it prints where one batch-1 decode step's GPU time goes: a profile (torch.profiler, CUDA
-activities) of replayed decode steps, per kernel name, in launches and microseconds per step and per layer
-(with tensor parallelism, rank 0's GPU). --tpot-only skips TTFT, throughput and the MoE layer alone, for a
-quick before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MAX_TOKENS (0: every step on the
-sorted path, as before direct routing) in this process and, through the environment variable
-DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only.
---gpu-features portable launches without dependent launch, so the kernels' spans no longer overlap and each one's
-time is its own. --tp-shard N runs, on one GPU, the part of the model one rank of tensor parallelism N holds (its
-heads, intermediate sizes and vocabulary divided by N): a rank's step without its all-reduces, against its floor.
+activities) of replayed decode steps, per kernel name, in launches and microseconds per step and per layer (with
+tensor parallelism, rank 0's GPU). --tpot-only skips TTFT, throughput and the MoE layer alone, for a quick
+before/after: --direct-max-tokens N sets kernels/triton_moe.py's DIRECT_MAX_TOKENS and DIRECT_MXFP4_MAX_TOKENS (0:
+every step on the sorted path, as before direct routing) in this process and, through the environment variable
+DIRECT_MAX_TOKENS_ENV names, in its spawned tensor-parallel ranks: a switch for this bench only. --gpu-features
+portable launches without dependent launch, so the kernels' spans no longer overlap and each one's time is its own.
+--tp-shard N runs, on one GPU, the part of the model one rank of tensor parallelism N holds (its heads, intermediate
+sizes and vocabulary divided by N): a rank's step without its all-reduces, against its floor.
 
 Floors, at the copy bandwidth and bf16 matmul rate measured here:
 - a decode step of B sequences reads the dense weights (attention, routers, norms, LM head), the experts it
@@ -57,7 +57,7 @@ from throughput import workload
 DIRECT_MAX_TOKENS_ENV = "MOE_MODEL_DIRECT_MAX_TOKENS"
 draw_weights_at_load()  # at import: spawned tensor-parallel ranks import this script again
 if os.environ.get(DIRECT_MAX_TOKENS_ENV):
-    triton_moe.DIRECT_MAX_TOKENS = int(os.environ[DIRECT_MAX_TOKENS_ENV])
+    triton_moe.DIRECT_MAX_TOKENS = triton_moe.DIRECT_MXFP4_MAX_TOKENS = int(os.environ[DIRECT_MAX_TOKENS_ENV])
 
 TPOT_BATCHES = (1, 64)
 PROFILED_STEPS = 10
@@ -196,8 +196,9 @@ def main():
     ap.add_argument("--skip-layer", action="store_true", help="skip the MoE layer alone")
     ap.add_argument("--tpot-only", action="store_true",
                     help="only TPOT and the batch-1 kernel breakdown (no TTFT, throughput or MoE layer alone)")
-    ap.add_argument("--direct-max-tokens", type=int, default=triton_moe.DIRECT_MAX_TOKENS,
-                    help="steps of up to this many tokens route directly (0: all sorted by expert, as before)")
+    ap.add_argument("--direct-max-tokens", type=int,
+                    help="steps of up to this many tokens route directly, whatever the experts' format (0: all "
+                         "sorted by expert, as before)")
     ap.add_argument("--tp-shard", type=int, default=1, metavar="N",
                     help="time one rank's part of tensor parallelism N alone on one GPU (no communication)")
     add_gpu_features_argument(ap)
@@ -205,8 +206,9 @@ def main():
     args = ap.parse_args()
     if args.tp_shard > 1 and args.tensor_parallel_size > 1:
         ap.error("--tp-shard runs one rank's part on one GPU: leave --tensor-parallel-size at 1")
-    os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
-    triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
+    if args.direct_max_tokens is not None:
+        os.environ[DIRECT_MAX_TOKENS_ENV] = str(args.direct_max_tokens)
+        triton_moe.DIRECT_MAX_TOKENS = triton_moe.DIRECT_MXFP4_MAX_TOKENS = args.direct_max_tokens
     bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
     model_dir = config_only_model(args.model, drop_quantization=args.bf16_experts, shard_of=args.tp_shard)
     quantized = "quantization_config" in AutoConfig.from_pretrained(model_dir).to_dict()
@@ -241,8 +243,9 @@ def main():
     llm.shutdown()
 
     shard = f" (one rank's part of TP {args.tp_shard})" if args.tp_shard > 1 else ""
+    direct_max_tokens = triton_moe.DIRECT_MXFP4_MAX_TOKENS if quantized else triton_moe.DIRECT_MAX_TOKENS
     print(f"\n== {args.model}{shard} (random weights, experts in {'MXFP4' if quantized else 'bf16'}), TP "
-          f"{args.tensor_parallel_size}, MoE routed directly up to {args.direct_max_tokens} tokens, on "
+          f"{args.tensor_parallel_size}, MoE routed directly up to {direct_max_tokens} tokens, on "
           f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} "
           "TFLOP/s (measured)")
     print(f"per GPU: dense weights read per step {floors.dense_bytes / 1e9:.2f} GB, one expert "

@@ -11,7 +11,8 @@ E (1 - (1 - k/E)^T) experts. The floor of a call is the larger of: the bytes it 
 experts it reaches, its input and output) at the measured copy bandwidth, and its FLOPs (6 T k H I) at the
 measured bf16 matmul rate. Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), as the engine
 runs decode steps; "layer" adds the router GEMM and the top-k to the experts. --direct-max-tokens sets
-kernels/triton_moe.py's DIRECT_MAX_TOKENS for the run (0: every token count sorted by expert).
+kernels/triton_moe.py's DIRECT_MAX_TOKENS and DIRECT_MXFP4_MAX_TOKENS for the run (0: every token count sorted by
+expert).
 """
 import argparse
 import itertools
@@ -224,12 +225,13 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--sweep", action="store_true", help="search the tiles instead of checking and timing")
     ap.add_argument("--tokens", help=f"comma-separated token counts (default {TOKENS}; {SWEEP_TOKENS} with --sweep)")
-    ap.add_argument("--direct-max-tokens", type=int, help="kernels/triton_moe.py's DIRECT_MAX_TOKENS for this run")
+    ap.add_argument("--direct-max-tokens", type=int,
+                    help="kernels/triton_moe.py's DIRECT_MAX_TOKENS and DIRECT_MXFP4_MAX_TOKENS for this run")
     args = ap.parse_args()
     if args.direct_max_tokens is not None:
         from kernels import triton_moe
 
-        triton_moe.DIRECT_MAX_TOKENS = args.direct_max_tokens
+        triton_moe.DIRECT_MAX_TOKENS = triton_moe.DIRECT_MXFP4_MAX_TOKENS = args.direct_max_tokens
     if not torch.cuda.is_available():
         sys.exit("bench/moe_speed.py needs a CUDA GPU (the kernels are tested on CPU by tests/kernels)")
     shapes = args.shapes.split(",")

@@ -341,8 +341,9 @@ def routed_experts(hidden: Tensor, router_weight: Tensor, router_bias: Tensor | 
                    b_down: Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
                    swiglu_limit: float = 7.0) -> Tensor:
     """A whole routed MLP: fused_moe of the experts select_experts picks from the router's logits
-    hidden router_weight^T + router_bias. On CUDA a step of a single token takes three launches (the router GEMM
-    with its top-k, then the two expert GEMMs, each reading only the token's k experts; kernels/triton_moe.py's
-    DIRECT_MAX_TOKENS); larger steps take the router's linear layer, select_experts and fused_moe."""
+    hidden router_weight^T + router_bias. On CUDA a step of a single token (over MXFP4 experts, of a few) takes
+    three launches (the router GEMM with its top-k, then the two expert GEMMs, each reading only the k experts of
+    each token; kernels/triton_moe.py's routes_directly); larger steps take the router's linear layer,
+    select_experts and fused_moe."""
     return _backend_of(hidden).routed_experts(hidden, router_weight, router_bias, top_k, renormalize, w_gate_up,
                                               w_down, b_gate_up, b_down, activation, swiglu_alpha, swiglu_limit)

@@ -1,5 +1,5 @@
 """Triton mixture-of-experts: the router's top-k choice and the routed experts' MLPs, in five launches after
-the router's GEMM (three launches in all for a step of DIRECT_MAX_TOKENS tokens or fewer, below).
+the router's GEMM (three launches in all for a step that routes directly, below).
 
 1. `select_experts`: per token, the top-k experts of the router logits and their softmax weights.
 2. `_align_kernel` (one program): the token-expert pairs ("rows": row r is token r // k's slot r % k) sorted
@@ -13,11 +13,12 @@ the router's GEMM (three launches in all for a step of DIRECT_MAX_TOKENS tokens 
 4. `_down_kernel`: the same grouping for the down projection; its epilogue adds the bias, scales each row by
    its top-k weight and stores the row at its token-slot position. A sum over the k slots of each token ends it.
 
-A step of a single token (DIRECT_MAX_TOKENS, routed_experts) routes directly: `route` computes the router GEMM
-and the top-k in one launch (its last program to finish picks the experts), no sort runs (each of the token's k
-rows is a block of its own, its expert read from the top-k ids: the k experts are distinct, so each is read
-once), and the down GEMM's epilogue adds the k rows' weighted products itself (the last of a column tile's k
-programs to finish sums their float32 parts in slot order): router, gate/up and down, three launches.
+A step of a single token (DIRECT_MAX_TOKENS; over MXFP4 experts, of up to DIRECT_MXFP4_MAX_TOKENS) routes directly
+(routes_directly, routed_experts): `route` computes the router GEMM and the top-k in one launch (its last program to
+finish picks the experts), no sort runs (each of a token's k rows is a block of its own, its expert read from the
+top-k ids: a token's k experts are distinct, so each is read once per token), and the down GEMM's epilogue adds the
+k rows' weighted products itself (the last of a column tile's k programs to finish sums their float32 parts in slot
+order): router, gate/up and down, three launches.
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (gate rows 0..I-1, then up rows; models/moe.py reorders
 gpt-oss's interleaved checkpoint at load), w_down [E, H, I]; biases [E, 2I] and [E, H]. Either may be MXFP4
@@ -72,9 +73,12 @@ TILE_TABLE = (
 
 # Steps of at most this many tokens are routed directly (route, fused_moe): the router GEMM and the top-k in one
 # launch, no sort by expert (each token's k rows are the GEMMs' blocks: one token's k experts are distinct, so no
-# expert is read twice), and the down GEMM sums each token's k rows itself. bench/moe_model.py's
-# --direct-max-tokens sets it, to time other bounds (0: the sorted path at batch 1 too).
+# expert is read twice), and the down GEMM sums each token's k rows itself. MXFP4 experts route directly up to
+# DIRECT_MXFP4_MAX_TOKENS: though tokens that share an expert each read it, their one-row products
+# (_mxfp4_row_dot) beat the sorted path's tl.dot_scaled, which upcasts every code for 16 rows. The benches'
+# --direct-max-tokens set both, to time other bounds (0: the sorted path at batch 1 too).
 DIRECT_MAX_TOKENS = 1
+DIRECT_MXFP4_MAX_TOKENS = 8
 ROUTE_BLOCK_E = 16  # route's tile: experts by a run of K
 ROUTE_MIN_K, ROUTE_MAX_K = 128, 512  # a run of K: a power of 2 between these, its weight tile held in registers
 ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
@@ -84,10 +88,19 @@ ROUTE_PROGRAMS = 64  # route splits K until its programs reach about this many
 DIRECT_MXFP4_TILES = MoeTiles(1, GemmTiles(16, 256, 4, 2), GemmTiles(16, 256, 4, 2))
 
 
+def routes_directly(num_tokens: int, mxfp4: bool) -> bool:
+    """Whether a step of num_tokens tokens skips the sort by expert (DIRECT_MAX_TOKENS, DIRECT_MXFP4_MAX_TOKENS)."""
+    return 0 < num_tokens <= (DIRECT_MXFP4_MAX_TOKENS if mxfp4 else DIRECT_MAX_TOKENS)
+
+
 def choose_tiles(num_tokens: int, mxfp4: bool = False) -> MoeTiles:
-    if mxfp4 and num_tokens <= DIRECT_MAX_TOKENS:
+    if mxfp4 and routes_directly(num_tokens, mxfp4):
         return DIRECT_MXFP4_TILES
     return next(tiles for bound, tiles in TILE_TABLE if num_tokens <= bound)
+
+
+def is_mxfp4(w_gate_up: torch.Tensor | Mxfp4Weight, w_down: torch.Tensor | Mxfp4Weight) -> bool:
+    return isinstance(w_gate_up, Mxfp4Weight) and isinstance(w_down, Mxfp4Weight)
 
 
 def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -552,7 +565,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
               swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, tiles: MoeTiles | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for each token t: [T, H] in hidden's dtype.
     Either weight may be MXFP4 (read packed, dequantized in registers). tiles: the kernels' tiles
-    (choose_tiles(T) by default). Up to DIRECT_MAX_TOKENS tokens skip the sort: each row is its own block."""
+    (choose_tiles by default). A step that routes_directly skips the sort: each row is its own block."""
     check_moe_arguments(hidden, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -560,8 +573,9 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         hidden = hidden.contiguous()
     if not num_tokens:
         return torch.zeros_like(hidden)
-    tiles = tiles or choose_tiles(num_tokens, all(isinstance(w, Mxfp4Weight) for w in (w_gate_up, w_down)))
-    if num_tokens <= DIRECT_MAX_TOKENS:
+    mxfp4 = is_mxfp4(w_gate_up, w_down)
+    tiles = tiles or choose_tiles(num_tokens, mxfp4)
+    if routes_directly(num_tokens, mxfp4):
         sorted_rows, block_experts = None, topk_ids.reshape(-1).to(torch.int32).contiguous()
     else:
         sorted_rows, block_experts = align_rows(topk_ids, w_gate_up.shape[0], tiles.block_m)
@@ -578,9 +592,9 @@ def routed_experts(hidden: torch.Tensor, router_weight: torch.Tensor, router_bia
                    renormalize: bool, w_gate_up: torch.Tensor | Mxfp4Weight, w_down: torch.Tensor | Mxfp4Weight,
                    b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, activation: str = "silu",
                    swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
-    """A routed MLP from the hidden states: the router and its top-k (route() for up to DIRECT_MAX_TOKENS
-    tokens, else the router's linear layer and select_experts), then fused_moe."""
-    if 0 < hidden.shape[0] <= DIRECT_MAX_TOKENS:
+    """A routed MLP from the hidden states: the router and its top-k (route() for a step that routes_directly, else
+    the router's linear layer and select_experts), then fused_moe."""
+    if routes_directly(hidden.shape[0], is_mxfp4(w_gate_up, w_down)):
         topk_ids, topk_weights = route(hidden, router_weight, router_bias, top_k, renormalize)
     else:
         topk_ids, topk_weights = select_experts(decode_linear(hidden, router_weight, router_bias), top_k, renormalize)

@@ -220,6 +220,7 @@ MXFP4_TILES = MoeTiles(16, GemmTiles(16, 32, 4, 2), GemmTiles(16, 64, 4, 2))
 MXFP4_CASES = [  # (tokens, hidden, inter, experts, top_k, tiles)
     (1, 64, 32, 8, 2, MXFP4_TILES),  # one token; the down GEMM's K (32) within one BLOCK_K of 64
     (1, 96, 64, 6, 2, None),  # one token on its own tiles (BLOCK_M 1): K of 3 and 2 groups in a BLOCK_K of 8
+    (5, 96, 64, 6, 2, None),  # a few tokens routed directly, sharing experts
     (21, 96, 64, 6, 2, MXFP4_TILES),  # K=96: a gate/up BLOCK_K of 32 even, the down's 64 ragged
     *cuda_only((1, 2880, 2880, 32, 4, None), (64, 2880, 2880, 32, 4, None), (512, 2880, 1440, 32, 4, None),
                (4096, 2880, 2880, 32, 4, None)),  # gpt-oss-20b's experts (and a TP=2 rank's)
