@@ -94,7 +94,7 @@ def routes_directly(num_tokens: int, mxfp4: bool) -> bool:
 
 
 def choose_tiles(num_tokens: int, mxfp4: bool = False) -> MoeTiles:
-    if mxfp4 and routes_directly(num_tokens, mxfp4):
+    if mxfp4 and routes_directly(num_tokens, True):
         return DIRECT_MXFP4_TILES
     return next(tiles for bound, tiles in TILE_TABLE if num_tokens <= bound)
 
@@ -422,9 +422,9 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_ptr, blo
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         gate_rows = expert.to(tl.int64) * 2 * INTER + cols
         x_rows = x_ptr + (rows // TOP_K).to(tl.int64)[:, None] * stride_x
+        token_row = x_ptr + (block // TOP_K).to(tl.int64) * stride_x  # DIRECT: the block's one row's token
         for k0 in range(0, K, BLOCK_K):
             if MXFP4 and DIRECT:
-                token_row = x_ptr + (block // TOP_K).to(tl.int64) * stride_x
                 gate += _mxfp4_row_dot(token_row, w_ptr, scales_ptr, gate_rows, col_mask, k0, K, BLOCK_K)[None, :]
                 up += _mxfp4_row_dot(token_row, w_ptr, scales_ptr, gate_rows + INTER, col_mask, k0, K, BLOCK_K)[None, :]
             elif MXFP4 and X_FORMAT != "":
